@@ -1,0 +1,125 @@
+"""config.py: presets, overrides from the CLI and TOML, and every validation error."""
+
+import dataclasses
+
+import pytest
+
+import config
+from config import StackConfig, TrainConfig, apply_overrides, parse_args
+
+
+def test_stack100m_preset_is_the_reference_run():
+    cfg = config.stack100m()
+    m = cfg.model
+    assert (m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.intermediate,
+            m.max_seq_len, m.rope_theta, m.qk_norm, m.nope_every, m.tie_embeddings,
+            m.z_loss) == (32768, 512, 30, 8, 2, 1408, 2048, 10000.0, True, 4, True, 1e-4)
+    assert (cfg.seq_len, cfg.micro_batch_size, cfg.global_batch_tokens) == (2048, 32, 524_288)
+    assert (cfg.warmup_steps, cfg.stop_at_step, cfg.adamw_peak_lr, cfg.muon_peak_lr) == \
+        (2_000, 34_332, 3e-3, 6e-3)
+    assert (cfg.weight_decay, cfg.betas, cfg.grad_clip, cfg.seed) == (0.1, (0.9, 0.95), 1.0, 1337)
+    assert (cfg.ckpt_every, cfg.keep_last_ckpts, cfg.log_every) == (1_000, 5, 10)
+
+
+def test_batch_arithmetic_banner():
+    cfg = config.stack100m()
+    assert cfg.batch_summary(1) == \
+        "524,288 tokens/step = 256 seqs × 2,048 = 32 micro × 8 accum × 1 rank"
+    assert cfg.batch_summary(8) == \
+        "524,288 tokens/step = 256 seqs × 2,048 = 32 micro × 1 accum × 8 ranks"
+    # the accumulation is derived, so tokens per step survive a change of GPU count
+    for world in (1, 2, 4, 8):
+        accum = cfg.grad_accum_steps(world)
+        assert accum * cfg.micro_batch_size * cfg.seq_len * world == cfg.global_batch_tokens
+
+
+def test_indivisible_global_batch_is_refused_with_a_fix():
+    cfg = config.stack100m()
+    with pytest.raises(ValueError, match=r"32\*2048\*3=196,608; use global_batch_tokens=589,824"):
+        cfg.grad_accum_steps(3)
+    with pytest.raises(ValueError, match=r"32\*2048\*16=1,048,576; use micro_batch_size=16"):
+        cfg.grad_accum_steps(16)
+    with pytest.raises(ValueError, match="is not a multiple of micro_batch_size"):
+        dataclasses.replace(cfg, global_batch_tokens=500_000)
+
+
+def test_cli_overrides_are_typed_from_the_dataclass():
+    cfg, args = parse_args(["--preset", "tiny", "--warmup_steps=7", "--muon_peak_lr=0.01",
+                            "--betas=0.8,0.9", "--decay_steps=none", "--model.qk_norm=false",
+                            "--model.n_layers=2", "--out_dir=/tmp/x"])
+    assert args.preset == "tiny"
+    assert cfg.warmup_steps == 7 and cfg.muon_peak_lr == 0.01 and cfg.betas == (0.8, 0.9)
+    assert cfg.decay_steps is None and cfg.model.qk_norm is False and cfg.model.n_layers == 2
+    assert cfg.out_dir == "/tmp/x" and cfg.model.d_model == config.tiny_model().d_model
+
+
+def test_unknown_key_suggests_the_closest_name():
+    with pytest.raises(ValueError, match=r"did you mean --warmup_steps\?"):
+        parse_args(["--warmup_step=3"])
+    with pytest.raises(ValueError, match=r"did you mean --model.n_kv_heads\?"):
+        parse_args(["--model.n_kv_head=1"])
+    with pytest.raises(ValueError, match="expected int"):
+        parse_args(["--warmup_steps=lots"])
+    with pytest.raises(ValueError, match="write overrides as --key=value"):
+        parse_args(["--warmup_steps", "3"])
+
+
+def test_toml_then_cli_precedence(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('warmup_steps = 11\nmuon_peak_lr = 0.02\nbetas = [0.85, 0.9]\n'
+                    '[model]\nn_layers = 3\n')
+    cfg, _ = parse_args(["--preset=tiny", "--config", str(toml), "--warmup_steps=12"])
+    assert cfg.warmup_steps == 12  # the flag wins over the file
+    assert cfg.muon_peak_lr == 0.02 and cfg.betas == (0.85, 0.9) and cfg.model.n_layers == 3
+    toml.write_text("warmup_stepz = 1\n")
+    with pytest.raises(ValueError, match="did you mean --warmup_steps"):
+        parse_args(["--config", str(toml)])
+    with pytest.raises(ValueError, match="missing.toml"):
+        parse_args(["--config", str(tmp_path / "missing.toml")])
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(d_model=500), "model.d_model=500 is not divisible by model.n_heads=8"),
+    (dict(n_kv_heads=3), "model.n_kv_heads=3 does not divide model.n_heads=8"),
+    (dict(vocab_size=0), "model.vocab_size=0 must be positive"),
+    (dict(tie_embeddings=False), "tie_embeddings=False is not supported"),
+])
+def test_model_errors_name_the_field(change, message):
+    with pytest.raises(ValueError, match=message):
+        StackConfig(**change)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(seq_len=4096), "seq_len=4096 exceeds model.max_seq_len=2048"),
+    (dict(stop_at_step=40_000), "stop_at_step=40,000 is past total_steps=38,147"),
+    (dict(micro_batch_size=0), "micro_batch_size=0 must be positive"),
+    (dict(decay_shape="exp"), "decay_shape='exp' is not one of"),
+    (dict(mixed_precision="fp16"), "mixed_precision='fp16' is not one of"),
+    (dict(activation_checkpointing="half"), "activation_checkpointing='half' is not none"),
+    (dict(final_frac=2.0), r"final_frac=2.0 must be within \[0, 1\]"),
+])
+def test_run_errors_name_the_field(change, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(config.stack100m(), **change)
+
+
+def test_activation_checkpointing_modes():
+    assert [config.checkpointing_every(m) for m in ("none", "full", "every-3")] == [0, 1, 3]
+
+
+def test_overrides_return_a_new_config():
+    base = config.tiny()
+    new = apply_overrides(base, {"seed": "7", "model.n_layers": 2})
+    assert (new.seed, new.model.n_layers) == (7, 2)
+    assert (base.seed, base.model.n_layers) == (1337, 4)
+
+
+def test_help_lists_every_knob(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    for f in dataclasses.fields(TrainConfig):
+        if f.name != "model":
+            assert f"--{f.name}=" in out
+    for f in dataclasses.fields(StackConfig):
+        assert f"--model.{f.name}=" in out
