@@ -1,0 +1,374 @@
+"""Optimizers and the learning-rate schedule.
+
+- `Muon` updates the hidden weight matrices: momentum, then an orthogonalised step
+  (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/), with the weight decay
+  and AdamW-matched step size of Moonlight (Liu et al. 2025, arXiv 2502.16982). Under FSDP2
+  it orthogonalises each full matrix on one "owner" rank, never just the local shard.
+- `build_optimizers` routes every parameter: hidden matrices to Muon, the tied
+  embedding/head and the 1-D gains to AdamW.
+- `lr_multiplier` is the warmup-stable-decay (WSD) schedule (Hu et al. 2024, MiniCPM,
+  arXiv 2404.06395) as a pure function of the step; `check_schedule` refuses layouts that
+  would stop a run in the middle of its decay.
+
+This file imports nothing else from stacklm: it takes a model and a config object.
+"""
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+# ---------------------------------------------------------------------------------------
+# Muon
+# ---------------------------------------------------------------------------------------
+
+# Quintic Newton–Schulz coefficients from Jordan et al. 2024, chosen so that small singular
+# values grow as fast as possible (slope a at zero) while none leaves a band around 1.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(G: torch.Tensor, steps: int = 5, dtype=torch.float32) -> torch.Tensor:
+    """Approximately orthogonalise G = U S Vᵀ, returning ≈ U Vᵀ in G's dtype.
+
+    Each iteration X ← aX + b(XXᵀ)X + c(XXᵀ)²X maps every singular value s of X to
+    a·s + b·s³ + c·s⁵ and leaves U and V alone. The coefficients trade exactness for speed:
+    after 5 steps the singular values oscillate in roughly [0.68, 1.15] instead of landing
+    on 1, which Jordan et al. found trains as well as the exact U Vᵀ.
+    """
+    a, b, c = NS_COEFFICIENTS
+    X = G.to(dtype)
+    tall = X.size(0) > X.size(1)
+    if tall:  # iterate on the short side: XXᵀ is then min(A, B)² instead of max(A, B)²
+        X = X.T
+    # The Frobenius norm bounds the spectral norm, so every singular value starts in [0, 1],
+    # where the polynomial pushes it towards 1 instead of blowing up.
+    X = X / X.norm().clamp(min=1e-7)
+    for _ in range(steps):
+        gram = X @ X.T
+        X = a * X + (b * gram + c * gram @ gram) @ X
+    return (X.T if tall else X).to(G.dtype)
+
+
+def lr_scale(rows: int, cols: int, adjust_lr: str) -> float:
+    """How much Muon's step on a (rows x cols) matrix is scaled relative to the lr.
+
+    An orthogonal update has every singular value 1, so its RMS entry is 1/sqrt(max(A, B)):
+    the raw update of a wide MLP matrix is smaller than that of a square attention matrix.
+    - "original" (Jordan et al. 2024): sqrt(max(1, A/B)), which makes the update's norm as a
+      map from RMS-sized inputs to RMS-sized outputs equal 1 for tall matrices as well.
+    - "match_rms_adamw" (Moonlight, arXiv 2502.16982, Sec. 2.2): 0.2·sqrt(max(A, B)), which
+      gives every matrix an update RMS of 0.2, the typical RMS of an AdamW update.
+    """
+    if adjust_lr == "original":
+        return math.sqrt(max(1.0, rows / cols))
+    return 0.2 * math.sqrt(max(rows, cols))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rows this rank holds: a DTensor's local shard (a view: in-place ops write through
+    under no_grad), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def is_row_sharded(p: torch.Tensor) -> bool:
+    """True for an FSDP2 parameter, a DTensor split by rows over a 1-D mesh. Plain tensors
+    (single process, DDP) and replicated DTensors hold the whole matrix on every rank."""
+    if not isinstance(p, DTensor):
+        return False
+    if p.placements == (Shard(0),):
+        return True
+    if all(placement.is_replicate() for placement in p.placements):
+        return False
+    raise ValueError(f"Muon supports plain tensors, replicated DTensors and Shard(0) on a 1-D "
+                     f"mesh (FSDP2); got placements {p.placements} for a {tuple(p.shape)} matrix")
+
+
+def row_counts(rows: int, world: int) -> list[int]:
+    """Rows on each rank under Shard(0), which splits like torch.chunk: ceil(rows/world) per
+    rank and fewer (possibly none) on the last ranks, e.g. 13 rows on 3 ranks -> 5, 5, 3."""
+    chunk = -(-rows // world)
+    return [max(0, min(chunk, rows - rank * chunk)) for rank in range(world)]
+
+
+def pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t with zero rows appended up to n rows: collectives need equal shapes on every rank."""
+    return torch.nn.functional.pad(t, (0, 0, 0, n - t.shape[0]))
+
+
+def assign_owners(params: list[DTensor]) -> dict[DTensor, int]:
+    """Give each sharded matrix an owner rank that runs its Newton–Schulz, balancing the work.
+
+    Greedy, largest first: each matrix goes to the least-loaded rank of its mesh. The cost of
+    Newton–Schulz on A x B is proportional to A·B·min(A, B). Every rank sees the same params
+    in the same order, so every rank computes the same assignment without communicating.
+    """
+    loads, owners = {}, {}
+    for p in sorted(params, key=lambda p: p.numel() * min(p.shape), reverse=True):
+        load = loads.setdefault(p.device_mesh, [0] * p.device_mesh.size())
+        owners[p] = load.index(min(load))
+        load[owners[p]] += p.numel() * min(p.shape)
+    return owners
+
+
+class Muon(torch.optim.Optimizer):
+    """MomentUm Orthogonalized by Newton–Schulz (Jordan et al. 2024), for 2-D weights only.
+
+    Per matrix W with gradient G, momentum μ and learning rate lr:
+        M ← μ·M + (1 − μ)·G                      momentum as an EMA (as torch.optim.Muon)
+        U ← (1 − μ)·G + μ·M  (Nesterov) or M     look ahead along the momentum
+        O ← NewtonSchulz(U)                      ≈ the nearest semi-orthogonal matrix
+        W ← W·(1 − lr·weight_decay)              decoupled decay with the unadjusted lr
+        W ← W − lr·lr_scale(A, B)·O              shape-dependent step size
+
+    Orthogonalising equalises the update's singular values, so directions the gradient
+    barely touches still move. Weight decay comes from Moonlight (arXiv 2502.16982), which
+    found Muon's weights and outputs otherwise grow too large over a long run.
+
+    adjust_lr defaults to "match_rms_adamw": every matrix's update then has AdamW's RMS, so
+    the two optimizers' learning rates and weight decays mean the same thing and can be
+    reasoned about on one scale (TrainConfig.muon_peak_lr=6e-3 is tuned for it).
+    "original" is Jordan et al.'s sqrt(max(1, A/B)); see `lr_scale`.
+
+    ns_dtype is the Newton–Schulz precision; None picks bf16 on GPUs (as Jordan et al.:
+    the iteration tolerates it and tensor cores make it fast) and float32 elsewhere (CPUs
+    without bf16 units run bf16 matmuls several times slower than float32).
+
+    Under FSDP2 (Shard(0) DTensor parameters) each matrix is orthogonalised whole by one
+    owner rank; the momentum buffer stays a sharded DTensor so a distributed checkpoint can
+    reload it on a different number of ranks. Gradients arrive already averaged by the
+    wrapper (DDP/FSDP): Muon never reduces them again.
+    """
+
+    def __init__(self, params, lr: float, momentum: float = 0.95, nesterov: bool = True,
+                 ns_steps: int = 5, weight_decay: float = 0.1,
+                 adjust_lr: str = "match_rms_adamw", ns_dtype: torch.dtype | None = None):
+        if adjust_lr not in ("match_rms_adamw", "original"):
+            raise ValueError(f"adjust_lr={adjust_lr!r} is not 'match_rms_adamw' or 'original'")
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                        weight_decay=weight_decay, adjust_lr=adjust_lr)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim != 2:
+                    raise ValueError(f"Muon takes 2-D matrices only, got shape {tuple(p.shape)}; "
+                                     f"give embeddings and 1-D gains to AdamW")
+        self.ns_dtype = ns_dtype
+        self.owners = None  # matrix -> owner rank under FSDP2, assigned at the first step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        sharded = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                update = self._momentum_update(p, group)
+                if is_row_sharded(p):
+                    sharded.append((p, group, update))
+                else:
+                    self._apply(p, group, self._orthogonalize(update, group))
+        # FSDP2: all sharded matrices at once, so that the owners orthogonalise in parallel
+        for (p, group, _), update in zip(sharded, self._orthogonalize_sharded(sharded)):
+            self._apply(p, group, update)
+        return loss
+
+    def _momentum_update(self, p, group) -> torch.Tensor:
+        """Advance the momentum buffer; return this rank's rows of the update to orthogonalise."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            # zeros_like keeps p's DTensor placements, so under FSDP2 the buffer is sharded too
+            state["momentum_buffer"] = torch.zeros_like(p)
+        buf, grad = local(state["momentum_buffer"]), local(p.grad)
+        buf.lerp_(grad, 1 - group["momentum"])
+        return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+
+    def _orthogonalize(self, update, group) -> torch.Tensor:
+        dtype = self.ns_dtype or (torch.bfloat16 if update.is_cuda else torch.float32)
+        return newton_schulz(update, group["ns_steps"], dtype)
+
+    def _orthogonalize_sharded(self, items) -> list[torch.Tensor]:
+        """Owner-computes: orthogonalise each row-sharded matrix whole, on one rank.
+
+        1. every rank sends its rows of each matrix to the matrix's owner (padded to
+           ceil(rows/world) so that all pieces have one shape);
+        2. each rank runs Newton–Schulz on the matrices it owns, all ranks in parallel;
+        3. each owner sends every rank its rows of the result.
+        Returns this rank's rows of each orthogonalised update, in `items` order.
+        """
+        if self.owners is None:
+            self.owners = assign_owners([p for g in self.param_groups for p in g["params"]
+                                         if is_row_sharded(p)])
+        owned = [self._gather_to_owner(p, rows) for p, _, rows in items]  # None if not ours
+        for i, (_, group, _) in enumerate(items):
+            if owned[i] is not None:
+                owned[i] = self._orthogonalize(owned[i], group)
+        return [self._scatter_from_owner(p, rows, full) for (p, _, rows), full in zip(items, owned)]
+
+    def _gather_to_owner(self, p, rows):
+        """The whole matrix on p's owner rank; None elsewhere."""
+        mesh, owner = p.device_mesh, self.owners[p]
+        counts = row_counts(p.shape[0], mesh.size())
+        is_owner = mesh.get_local_rank() == owner
+        padded = pad_rows(rows, counts[0])
+        pieces = [torch.empty_like(padded) for _ in counts] if is_owner else None
+        dist.gather(padded, pieces, group=mesh.get_group(), group_dst=owner)
+        return torch.cat([piece[:n] for piece, n in zip(pieces, counts)]) if is_owner else None
+
+    def _scatter_from_owner(self, p, rows, full):
+        """This rank's rows of the owner's orthogonalised matrix `full` (None off the owner)."""
+        mesh, owner = p.device_mesh, self.owners[p]
+        counts = row_counts(p.shape[0], mesh.size())
+        pieces = None
+        if full is not None:
+            pieces = [pad_rows(piece, counts[0]) for piece in full.split(counts)]
+        received = rows.new_empty(counts[0], p.shape[1])
+        dist.scatter(received, pieces, group=mesh.get_group(), group_src=owner)
+        return received[:rows.shape[0]]
+
+    @staticmethod
+    def _apply(p, group, update):
+        rows, cols = p.shape  # the global shape, also for a DTensor
+        lr = group["lr"]
+        weights = local(p)
+        weights.mul_(1 - lr * group["weight_decay"])
+        weights.add_(update, alpha=-lr * lr_scale(rows, cols, group["adjust_lr"]))
+
+
+# ---------------------------------------------------------------------------------------
+# Parameter routing
+# ---------------------------------------------------------------------------------------
+
+def build_optimizers(model: torch.nn.Module, cfg) -> tuple[Muon, torch.optim.AdamW]:
+    """Muon for the hidden matrices, AdamW for the rest, both starting at their peak lr.
+
+    - Muon: every 2-D parameter except the embedding, i.e. the attention and MLP
+      projections. Muon is designed for hidden layers that map vectors to vectors; the
+      embedding is a lookup table whose rows see sparse gradients (Jordan et al. 2024).
+    - AdamW "embedding": model.embed.weight, which is also the tied output head, with weight
+      decay: like every weight matrix it is a free scale that decay keeps in check (nanoGPT's
+      rule: decay tensors with 2+ dims), and as the head it sets the logit scale.
+    - AdamW "gains": the 1-D RMSNorm and QK-norm weights, without weight decay: decay would
+      pull each gain towards 0, i.e. shrink the normalised activations it exists to rescale.
+
+    The training loop overwrites group["lr"] = peak * lr_multiplier(step, cfg) every step.
+    """
+    embedding = model.embed.weight
+    matrices, tables, gains = [], [], []
+    for p in model.parameters():  # each tensor once: the tied head is not listed again
+        if not p.requires_grad:
+            continue
+        if p.ndim == 2 and p is not embedding:
+            matrices.append(p)
+        else:
+            (tables if p.ndim >= 2 else gains).append(p)
+    muon = Muon([dict(params=matrices, name="matrices")], lr=cfg.muon_peak_lr,
+                momentum=cfg.muon_momentum, weight_decay=cfg.weight_decay,
+                adjust_lr=cfg.muon_adjust_lr)
+    adamw_groups = [dict(params=tables, name="embedding", weight_decay=cfg.weight_decay),
+                    dict(params=gains, name="gains", weight_decay=0.0)]
+    adamw = torch.optim.AdamW([g for g in adamw_groups if g["params"]],
+                              lr=cfg.adamw_peak_lr, betas=cfg.betas)
+    return muon, adamw
+
+
+def optimizer_summary(muon: Muon, adamw: torch.optim.AdamW) -> str:
+    """One line, e.g. `muon matrices: 210 tensors 84,541,440 params wd 0.1 | adamw ...`."""
+    parts = []
+    for label, optimizer in (("muon", muon), ("adamw", adamw)):
+        for group in optimizer.param_groups:
+            numel = sum(p.numel() for p in group["params"])
+            parts.append(f"{label} {group.get('name', 'group')}: {len(group['params'])} tensors "
+                         f"{numel:,} params wd {group['weight_decay']:g}")
+    return " | ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------
+# Warmup-stable-decay schedule (arXiv 2404.06395)
+# ---------------------------------------------------------------------------------------
+
+class Split(NamedTuple):
+    """The schedule laid out over total_steps, in optimizer steps."""
+    warmup: int
+    stable: int
+    decay: int
+    decay_start: int  # the first step of the decay leg
+
+
+# Each maps progress p in [0, 1] through the decay leg to a fraction of the way from
+# final_frac up to 1. "sqrt" is the 1-sqrt cooldown of Hägele et al. 2024 (arXiv
+# 2405.18392), which they found to beat linear and cosine cooldowns of the same length.
+DECAY_SHAPES = {
+    "linear": lambda p: 1.0 - p,
+    "sqrt": lambda p: 1.0 - math.sqrt(p),
+    "cosine": lambda p: 0.5 * (1.0 + math.cos(math.pi * p)),
+}
+
+
+def schedule_split(cfg) -> Split:
+    """Resolve the defaults: decay_steps = round(decay_fraction·total_steps) and
+    decay_start = total_steps − decay_steps unless set."""
+    decay = cfg.decay_steps
+    if decay is None:
+        decay = round(cfg.decay_fraction * cfg.total_steps)
+    start = cfg.total_steps - decay if cfg.decay_start is None else cfg.decay_start
+    return Split(cfg.warmup_steps, start - cfg.warmup_steps, decay, start)
+
+
+def format_split(split: Split) -> str:
+    return f"{split.warmup:,} warmup / {split.stable:,} stable / {split.decay:,} decay"
+
+
+def lr_multiplier(step: int, cfg) -> float:
+    """The learning rate at optimizer step `step` (0-indexed) as a fraction of the peak.
+
+    Warmup and decay mirror each other, so no step trains at lr 0 (with final_frac 0):
+    - warmup: (step + 1)/warmup_steps, i.e. 1/W, 2/W, ..., exactly 1.0 at step W − 1;
+    - stable: exactly 1.0 up to decay_start − 1;
+    - decay: progress p = (step − decay_start)/decay_steps, so the leg's D steps use
+      p = 0, 1/D, ..., (D−1)/D, and final_frac is reached at step decay_start + D, after it.
+    """
+    split = schedule_split(cfg)
+    if step < split.warmup:
+        return (step + 1) / split.warmup
+    if step < split.decay_start:
+        return 1.0
+    progress = min(1.0, (step - split.decay_start) / max(split.decay, 1))  # decay 0: no leg
+    return cfg.final_frac + (1.0 - cfg.final_frac) * DECAY_SHAPES[cfg.decay_shape](progress)
+
+
+def check_schedule(cfg) -> Split:
+    """Refuse a schedule that cannot be laid out, or that would stop a run mid-decay.
+
+    The trap: stopping a long run early (stop_at_step < total_steps) to continue it later,
+    while the derived decay leg starts before the stop. The checkpoint it leaves is already
+    partly annealed, and re-warming a decayed checkpoint costs much of what decaying bought.
+    Returns the split, for the trainer to print.
+    """
+    split = schedule_split(cfg)
+    layout = f"{format_split(split)} over total_steps={cfg.total_steps:,}"
+    if split.decay < 0:
+        raise ValueError(f"decay_steps={split.decay} must be >= 0")
+    if split.warmup + split.decay > cfg.total_steps:
+        raise ValueError(f"warmup_steps + decay_steps = {split.warmup:,} + {split.decay:,} exceed "
+                         f"total_steps={cfg.total_steps:,} ({layout}); shorten warmup_steps or "
+                         f"the decay leg (decay_fraction, decay_steps), or raise total_steps")
+    if split.stable < 0 or split.decay_start + split.decay > cfg.total_steps:
+        raise ValueError(f"decay_start={split.decay_start:,} does not fit between the end of "
+                         f"warmup and total_steps ({layout}); use a decay_start between "
+                         f"{split.warmup:,} and {cfg.total_steps - split.decay:,}")
+    stops_mid_decay = cfg.stop_at_step < cfg.total_steps and split.decay_start < cfg.stop_at_step
+    if cfg.decay_start is None and stops_mid_decay:
+        raise ValueError(
+            f"stop_at_step={cfg.stop_at_step:,} is inside the decay leg (from step "
+            f"{split.decay_start:,}; {layout}): the run would stop mid-decay, leaving an "
+            f"annealed checkpoint that is costly to re-warm; set decay_start="
+            f"{split.decay_start:,} explicitly if intended, or stop_at_step="
+            f"{split.decay_start:,} to stop at the end of the stable phase, or total_steps="
+            f"{cfg.stop_at_step:,} to fit the whole schedule into this run")
+    return split

@@ -1,0 +1,541 @@
+"""data.py: prepare a tiny corpus in a temp dir, then check the shards and the loader
+against plain-Python recomputations, round trips and invariants."""
+
+import collections
+import hashlib
+import importlib.machinery
+import json
+import random
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import data
+from data import EOS_TOKEN, PackedShardLoader
+
+T = 16  # loader tests use short windows so an epoch is a few hundred of them
+
+
+def make_corpus(root: Path) -> list[str]:
+    """Forty small, distinct "modules" plus the traps; returns the documents prepare must
+    keep, in file order."""
+    root.mkdir(parents=True)
+    kept = []
+    for i in range(40):
+        rng = random.Random(i)
+        lines = [f"def f_{i}_{j}(x):\n    return x * {rng.randint(0, 999)}  # café ☕ 数据\n"
+                 for j in range(rng.randint(3, 8))]
+        text = f'"""module {i}"""\n' + "".join(lines)
+        (root / f"mod_{i:02d}.py").write_text(text, encoding="utf-8")
+        kept.append((f"mod_{i:02d}.py", text))
+    literal = f"SEPARATOR = '{EOS_TOKEN}'  # text, not a document boundary\n"
+    (root / "literal.py").write_text(literal, encoding="utf-8")
+    kept.append(("literal.py", literal))
+    (root / "latin1.py").write_bytes("nom = 'café'\n".encode("latin-1"))  # skipped
+    (root / "blank.py").write_text("\n\n")  # no document
+    (root / ".hidden").mkdir()
+    (root / ".hidden" / "secret.py").write_text("password = 1\n")  # hidden: ignored
+    return [text for _, text in sorted(kept)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus") / "src"
+    return root, make_corpus(root)
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("prepared") / "tiny"
+    data.prepare(str(corpus[0]), str(out), vocab_size=400, shard_tokens=700, val_fraction=0.2)
+    return out
+
+
+def stream(data_dir, split) -> np.ndarray:
+    """A split's tokens read straight from the files, without the loader."""
+    manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
+    return np.concatenate([np.fromfile(Path(data_dir) / s["file"], dtype=manifest["dtype"])
+                           for s in manifest["splits"][split]["shards"]]).astype(np.int64)
+
+
+def documents_of(tokens: np.ndarray, eos_id: int) -> list[list[int]]:
+    assert tokens[0] == eos_id  # EOS opens every document, the first one too
+    docs = []
+    for token in tokens.tolist():
+        if token == eos_id:
+            docs.append([])
+        else:
+            docs[-1].append(token)
+    return docs
+
+
+def copy_of(prepared, tmp_path) -> Path:
+    target = tmp_path / "copy"
+    shutil.copytree(prepared, target)
+    return target
+
+
+def rows(batch) -> list[tuple]:
+    return [tuple(r) for r in batch["input_ids"].tolist()]
+
+
+# ---------------------------------------------------------------------------------------
+# prepare: manifest, shards, tokenizer
+# ---------------------------------------------------------------------------------------
+
+def test_shards_decode_back_to_the_source_documents(prepared, corpus):
+    manifest = data.load_manifest(prepared)
+    tokenizer = data.Tokenizer.from_file(data.tokenizer_path(prepared))
+    decoded = {}
+    for split in ("train", "val"):
+        docs = documents_of(stream(prepared, split), manifest["eos_id"])
+        decoded[split] = [tokenizer.decode(d, skip_special_tokens=False) for d in docs]
+        assert manifest["splits"][split]["documents"] == len(docs)
+        assert manifest["splits"][split]["tokens"] == sum(len(d) + 1 for d in docs)
+        assert manifest["splits"][split]["bytes"] == sum(len(t.encode()) for t in decoded[split])
+    expected = corpus[1]
+    assert decoded["train"] and decoded["val"]
+    assert sorted(decoded["train"] + decoded["val"]) == sorted(expected)
+    assert decoded["train"] == [t for t in expected if t in decoded["train"]]  # file order
+    # the literal "<|endoftext|>" in literal.py stayed text: no extra boundary appeared
+    assert any(EOS_TOKEN in t for t in decoded["train"] + decoded["val"])
+
+
+def test_manifest_records_shards_tokenizer_and_skips(prepared):
+    manifest = data.load_manifest(prepared)
+    assert manifest["format_version"] == data.FORMAT_VERSION
+    assert manifest["dtype"] == "uint16" and manifest["vocab_size"] <= 400
+    tokenizer = data.Tokenizer.from_file(str(prepared / "tokenizer.json"))
+    assert manifest["eos_id"] == tokenizer.token_to_id(EOS_TOKEN)
+    assert manifest["tokenizer"]["sha256"] == hashlib.sha256(
+        (prepared / "tokenizer.json").read_bytes()).hexdigest()
+    shards = manifest["splits"]["train"]["shards"]
+    assert len(shards) > 1 and all(s["tokens"] == 700 for s in shards[:-1])
+    for shard in shards:
+        raw = (prepared / shard["file"]).read_bytes()
+        assert shard["sha256"] == hashlib.sha256(raw).hexdigest()
+        assert len(raw) == 2 * shard["tokens"]
+    assert [Path(s["file"]).name for s in manifest["skipped_files"]] == ["latin1.py"]
+    assert "UnicodeDecodeError" in manifest["skipped_files"][0]["reason"]
+    assert not list(prepared.glob("*.tmp"))
+
+
+def test_token_bytes_sum_to_the_utf8_length_of_each_document(prepared):
+    sizes = data.token_bytes(prepared)
+    manifest = data.load_manifest(prepared)
+    tokenizer = data.Tokenizer.from_file(data.tokenizer_path(prepared))
+    assert sizes.shape == (manifest["vocab_size"],) and sizes.dtype == torch.int64
+    assert sizes[manifest["eos_id"]] == 0
+    for doc in documents_of(stream(prepared, "train"), manifest["eos_id"])[:10]:
+        text = tokenizer.decode(doc, skip_special_tokens=False)
+        assert int(sizes[doc].sum()) == len(text.encode("utf-8"))
+
+
+def test_reused_tokenizer_shares_the_vocabulary(prepared, tmp_path):
+    source = tmp_path / "notes.txt"
+    source.write_text(f"first note\n{EOS_TOKEN}second note, longer\n{EOS_TOKEN}\n")
+    manifest = data.prepare(str(source), str(tmp_path / "notes"),
+                            tokenizer=str(prepared / "tokenizer.json"), val_fraction=0.0)
+    assert manifest["tokenizer"]["sha256"] == data.load_manifest(prepared)["tokenizer"]["sha256"]
+    assert manifest["splits"]["train"]["documents"] == 2  # the blank tail is no document
+    tokenizer = data.Tokenizer.from_file(str(prepared / "tokenizer.json"))
+    docs = documents_of(stream(tmp_path / "notes", "train"), manifest["eos_id"])
+    assert [tokenizer.decode(d) for d in docs] == ["first note\n", "second note, longer\n"]
+
+
+def test_interrupted_prepare_leaves_no_manifest(prepared, corpus, tmp_path, monkeypatch):
+    out = copy_of(prepared, tmp_path)
+    real_write, calls = data.write_atomic, []
+
+    def dies_on_third_file(path, payload):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real_write(path, payload)
+
+    monkeypatch.setattr(data, "write_atomic", dies_on_third_file)
+    with pytest.raises(KeyboardInterrupt):
+        data.prepare(str(corpus[0]), str(out), vocab_size=300, shard_tokens=700)
+    with pytest.raises(FileNotFoundError, match="interrupted.*python data.py"):
+        data.load_manifest(out)
+
+
+def test_write_atomic_keeps_the_old_file_when_the_rename_fails(tmp_path, monkeypatch):
+    path = tmp_path / "shard.bin"
+    path.write_bytes(b"old")
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(data.os, "replace", broken_replace)
+    with pytest.raises(OSError):
+        data.write_atomic(path, b"new, partial")
+    assert path.read_bytes() == b"old"
+
+
+# ---------------------------------------------------------------------------------------
+# Sources
+# ---------------------------------------------------------------------------------------
+
+def test_builtin_corpus_is_the_sorted_stdlib_without_site_packages():
+    root, files = data.stdlib_files()
+    assert len(files) > 500 and files == sorted(files)
+    assert all(f.suffix == ".py" and "site-packages" not in f.parts for f in files)
+    assert root / "os.py" in files
+    assert data.builtin_data_dir(32768) == "data/stdlib-32k"
+    assert data.builtin_data_dir(4096) == "data/stdlib-4k"
+
+
+def test_default_source_is_the_builtin_corpus(corpus, tmp_path, monkeypatch):
+    root, _ = corpus
+    monkeypatch.setattr(data, "stdlib_files", lambda: (root, sorted(root.glob("mod_*.py"))))
+    manifest = data.prepare(out_dir=str(tmp_path / "builtin"), vocab_size=300)
+    assert manifest["source"] == f"stdlib:{root}"
+    docs = manifest["splits"]["train"]["documents"] + manifest["splits"]["val"]["documents"]
+    assert docs == 40
+
+
+def test_glob_source_selects_matching_files(corpus, tmp_path):
+    root, _ = corpus
+    manifest = data.prepare(str(root / "mod_1*.py"), str(tmp_path / "glob"), vocab_size=300,
+                            val_fraction=0.0)
+    assert manifest["splits"]["train"]["documents"] == 10  # mod_10.py .. mod_19.py
+
+
+def test_jsonl_source_reads_the_text_field_and_skips_bad_lines(tmp_path):
+    source = tmp_path / "docs.jsonl"
+    rows = [json.dumps({"body": f"document number {i} says hello"}) for i in range(5)]
+    source.write_text("\n".join(rows[:2] + ["{not json", json.dumps({"other": 1})] + rows[2:]))
+    manifest = data.prepare(str(source), str(tmp_path / "jsonl"), vocab_size=300,
+                            text_field="body", val_fraction=0.0)
+    assert manifest["splits"]["train"]["documents"] == 5
+    assert [s["file"] for s in manifest["skipped_files"]] == [f"{source}:3", f"{source}:4"]
+
+
+def fake_datasets(rows):
+    """A stand-in for the optional `datasets` package: these tests must run offline."""
+    module = types.ModuleType("datasets")
+    module.__spec__ = importlib.machinery.ModuleSpec("datasets", None)
+    module.calls = []
+
+    def load_dataset(name, split, streaming):
+        module.calls.append(("load_dataset", name, split, streaming))
+        return iter(rows)
+
+    def load_from_disk(path):
+        module.calls.append(("load_from_disk", path))
+        return {"train": list(rows)}  # a DatasetDict is a dict of splits
+
+    module.load_dataset, module.load_from_disk = load_dataset, load_from_disk
+    return module
+
+
+def test_hugging_face_sources_stream_through_the_lazy_import(tmp_path, monkeypatch):
+    rows = [{"text": f"row {i}: the quick brown fox"} for i in range(6)]
+    fake = fake_datasets(rows)
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    manifest = data.prepare("someone/tiny-corpus", str(tmp_path / "hub"), vocab_size=300,
+                            val_fraction=0.0)
+    assert manifest["splits"]["train"]["documents"] == 6
+    assert ("load_dataset", "someone/tiny-corpus", "train", True) in fake.calls
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "dataset_dict.json").write_text("{}")
+    manifest = data.prepare(str(saved), str(tmp_path / "disk"), vocab_size=300, val_fraction=0.0)
+    assert manifest["splits"]["train"]["documents"] == 6
+    assert ("load_from_disk", str(saved)) in fake.calls
+    with pytest.raises(ValueError, match="no field 'body'"):
+        data.prepare("someone/tiny-corpus", str(tmp_path / "f"), vocab_size=300, text_field="body")
+
+
+def test_hugging_face_name_without_datasets_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails as if not installed
+    with pytest.raises(ValueError, match="pip install datasets"):
+        data.prepare("someone/tiny-corpus", str(tmp_path / "x"))
+
+
+# ---------------------------------------------------------------------------------------
+# Loader: packing, EOS policy, order, ranks, resume
+# ---------------------------------------------------------------------------------------
+
+def expected_ids(row: list[int], eos_id: int) -> tuple[list[int], list[int]]:
+    """seq_ids and position_ids of one row by a plain loop over its tokens."""
+    seq_ids, position_ids, seq, start = [], [], 0, 0
+    for t, token in enumerate(row):
+        if t > 0 and token == eos_id:
+            seq, start = seq + 1, t
+        seq_ids.append(seq)
+        position_ids.append(t - start)
+    return seq_ids, position_ids
+
+
+def test_position_and_seq_ids_match_a_plain_loop(prepared):
+    loader = PackedShardLoader(prepared, "train", T, micro_batch_size=8)
+    eos_id = loader.eos_id
+    for _ in range(30):
+        batch = next(loader)
+        assert all(v.shape == (8, T) and v.dtype == torch.int64 for v in batch.values())
+        for b, row in enumerate(batch["input_ids"].tolist()):
+            seq_ids, position_ids = expected_ids(row, eos_id)
+            assert batch["seq_ids"][b].tolist() == seq_ids
+            assert batch["position_ids"][b].tolist() == position_ids
+
+
+def test_eos_policy_every_target_is_predicted(prepared, capsys):
+    """EOS opens the next document: the token before it predicts EOS, EOS predicts that
+    document's first token, and no target is ignored."""
+    tokens = stream(prepared, "val")
+    n = (len(tokens) - 1) // T
+    loader = PackedShardLoader(prepared, "val", T, micro_batch_size=n)  # the whole split
+    eos_id = loader.eos_id
+    batch = next(loader)
+    inputs, targets = batch["input_ids"], batch["targets"]
+    assert (targets >= 0).all()
+    for b in range(n):  # val is unshuffled: row b is window b
+        assert inputs[b].tolist() == tokens[b * T:b * T + T].tolist()
+        assert targets[b].tolist() == tokens[b * T + 1:b * T + T + 1].tolist()
+    at_eos = inputs == eos_id
+    assert at_eos[:, 1:].any()
+    assert (batch["position_ids"][at_eos] == 0).all()
+    before_eos = torch.zeros_like(at_eos)
+    before_eos[:, :-1] = at_eos[:, 1:]
+    assert (targets[before_eos] == eos_id).all()  # the end of a document is predicted
+    assert (targets[at_eos] != eos_id).all()  # EOS predicts the next document's opening
+    assert torch.equal(next(loader)["input_ids"], inputs)  # val rereads, unshuffled...
+    assert capsys.readouterr().out == ""  # ...and quietly: evaluation wraps by design
+
+
+def test_an_epoch_visits_every_window_once(prepared):
+    tokens = stream(prepared, "train")
+    loader = PackedShardLoader(prepared, "train", T, micro_batch_size=1, seed=7)
+    n = loader.windows_per_epoch
+    assert n == (len(tokens) - 1) // T and loader.tokens_per_epoch == n * T
+    windows = [tuple(tokens[i * T:i * T + T].tolist()) for i in range(n)]
+    seen = [rows(next(loader))[0] for _ in range(n)]
+    assert collections.Counter(seen) == collections.Counter(windows)
+    assert seen != windows  # shuffled
+    assert loader.epoch == 1
+
+
+def test_order_is_seeded_and_changes_between_epochs(prepared):
+    def epoch_rows(seed, epoch):
+        loader = PackedShardLoader(prepared, "train", T, micro_batch_size=1, seed=seed)
+        loader.load_state_dict({**loader.state_dict(), "cursor": epoch * loader.windows_per_epoch})
+        return [rows(next(loader))[0] for _ in range(20)]
+
+    assert epoch_rows(1, 0) == epoch_rows(1, 0)
+    assert epoch_rows(1, 0) != epoch_rows(2, 0)
+    assert epoch_rows(1, 0) != epoch_rows(1, 1)
+
+
+def test_epoch_wraparound_is_reported_once_on_rank_zero(prepared, capsys):
+    loaders = [PackedShardLoader(prepared, "train", T, 7, rank=r, world_size=2) for r in (0, 1)]
+    n = loaders[0].windows_per_epoch
+    for _ in range(2 * n // 14 + 2):
+        for loader in loaders:
+            next(loader)
+    out = capsys.readouterr().out
+    assert out.count("data: train epoch 1 begins") == 1
+    assert out.count("data: train epoch 2 begins") == 1
+    assert loaders[0].epoch == loaders[1].epoch == 2
+
+
+def global_stream(prepared, micro_batch_size, world_size, steps, state=None):
+    """Rows of `steps` global micro-batches, ranks in order, as one flat list."""
+    loaders = [PackedShardLoader(prepared, "train", T, micro_batch_size, r, world_size, seed=3)
+               for r in range(world_size)]
+    for loader in loaders:
+        if state is not None:
+            loader.load_state_dict(state)
+    flat = [row for _ in range(steps) for loader in loaders for row in rows(next(loader))]
+    assert len({json.dumps(loader.state_dict()) for loader in loaders}) == 1  # one cursor
+    return flat, loaders[0].state_dict()
+
+
+def test_ranks_together_see_the_single_rank_stream(prepared):
+    n = PackedShardLoader(prepared, "train", T, 1).windows_per_epoch
+    steps = 2 * n // 6 + 3  # past two epoch boundaries
+    single, _ = global_stream(prepared, 6, 1, steps)
+    for micro_batch_size, world_size in [(3, 2), (2, 3), (1, 6)]:
+        assert global_stream(prepared, micro_batch_size, world_size, steps)[0] == single
+
+
+def test_resume_at_a_random_cursor_under_another_world_size(prepared):
+    n = PackedShardLoader(prepared, "train", T, 1).windows_per_epoch
+    reference, _ = global_stream(prepared, 6, 1, 2 * n // 6 + 6)
+    rng = random.Random(0)
+    for _ in range(3):
+        steps = rng.randrange(1, 2 * n // 6)
+        before, state = global_stream(prepared, 3, 2, steps)
+        state = json.loads(json.dumps(state))  # it travels in train_state.json
+        assert state["cursor"] == 6 * steps
+        after, _ = global_stream(prepared, 2, 3, 6, state=state)
+        assert before + after == reference[:len(before) + len(after)]
+
+
+def test_shard_boundaries_are_invisible(prepared):
+    tokens = stream(prepared, "train")
+    loader = PackedShardLoader(prepared, "train", 100, micro_batch_size=1)
+    # window 6 covers tokens 600..700, which cross the 700-token shard boundary
+    for window in (6, 13, loader.windows_per_epoch - 1):
+        out = np.empty(101, dtype=np.int64)
+        loader.read(window * 100, out)
+        assert out.tolist() == tokens[window * 100:window * 100 + 101].tolist()
+
+
+def test_uint32_shards_give_the_same_batches(prepared, tmp_path):
+    wide = copy_of(prepared, tmp_path)
+    manifest = json.loads((wide / "manifest.json").read_text())
+    for split in manifest["splits"].values():
+        for shard in split["shards"]:
+            path = wide / shard["file"]
+            raw = np.fromfile(path, dtype=np.uint16).astype(np.uint32).tobytes()
+            path.write_bytes(raw)
+            shard["sha256"] = hashlib.sha256(raw).hexdigest()
+    manifest["dtype"] = "uint32"
+    (wide / "manifest.json").write_text(json.dumps(manifest))
+    data.verify(wide)
+    narrow_loader = PackedShardLoader(prepared, "train", T, 4)
+    wide_loader = PackedShardLoader(wide, "train", T, 4)
+    for _ in range(5):
+        narrow, wide_batch = next(narrow_loader), next(wide_loader)
+        assert all(torch.equal(narrow[k], wide_batch[k]) for k in narrow)
+    assert data.token_dtype(65536) == np.uint16 and data.token_dtype(65537) == np.uint32
+
+
+# ---------------------------------------------------------------------------------------
+# Bad input: clear errors that name the file and the fix
+# ---------------------------------------------------------------------------------------
+
+def test_missing_data_dir_suggests_the_prepare_command(tmp_path):
+    with pytest.raises(FileNotFoundError, match="python data.py --vocab_size 4096"):
+        PackedShardLoader(tmp_path / "stdlib-4k", "train", T, 1)
+    with pytest.raises(FileNotFoundError, match="python data.py --source"):
+        data.load_manifest(tmp_path / "mine")
+
+
+def test_corrupt_or_foreign_manifest_is_refused(prepared, tmp_path):
+    bad = copy_of(prepared, tmp_path)
+    (bad / "manifest.json").write_text("{truncated")
+    with pytest.raises(ValueError, match="manifest.json is unreadable"):
+        data.load_manifest(bad)
+    manifest = data.load_manifest(prepared)
+    (bad / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
+    with pytest.raises(ValueError, match="format_version 99"):
+        data.load_manifest(bad)
+
+
+def test_empty_corpus(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="empty corpus.*holds no files"):
+        data.prepare(str(tmp_path / "empty"), str(tmp_path / "out"))
+    (tmp_path / "empty" / "blank.txt").write_text("  \n")
+    (tmp_path / "empty" / "binary.dat").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ValueError, match="empty corpus"):
+        data.prepare(str(tmp_path / "empty"), str(tmp_path / "out"))
+    with pytest.raises(ValueError, match="no file matches"):
+        data.prepare(str(tmp_path / "*.nothing"), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()  # refused before any work
+
+
+def test_unreadable_files_are_skipped_and_counted(corpus, tmp_path, monkeypatch):
+    root, _ = corpus
+    real_read = Path.read_bytes
+
+    def read_bytes(path):
+        if path.name == "mod_03.py":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_read(path)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    manifest = data.prepare(str(root), str(tmp_path / "out"), vocab_size=300)
+    reasons = {Path(s["file"]).name: s["reason"] for s in manifest["skipped_files"]}
+    assert reasons.keys() == {"latin1.py", "mod_03.py"}
+    assert "PermissionError" in reasons["mod_03.py"]
+
+
+def test_shard_size_mismatch_and_truncation(prepared, tmp_path):
+    bad = copy_of(prepared, tmp_path)
+    shard = bad / "train_00001.bin"
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(ValueError, match="train_00001.bin is truncated.*python data.py"):
+        PackedShardLoader(bad, "train", T, 1)
+    shard.write_bytes((prepared / "train_00001.bin").read_bytes() + b"\0\0")
+    with pytest.raises(ValueError, match="train_00001.bin is larger than the manifest says"):
+        PackedShardLoader(bad, "train", T, 1)
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match="train_00001.bin is missing"):
+        PackedShardLoader(bad, "train", T, 1)
+
+
+def test_verify_catches_a_changed_byte(prepared, tmp_path, capsys):
+    data.main(["--verify", str(prepared)])
+    assert "verified" in capsys.readouterr().out
+    bad = copy_of(prepared, tmp_path)
+    raw = bytearray((bad / "val_00000.bin").read_bytes())
+    raw[5] ^= 1  # same size, so only the checksum can tell
+    (bad / "val_00000.bin").write_bytes(bytes(raw))
+    PackedShardLoader(bad, "val", T, 1)  # the cheap start-up check passes...
+    with pytest.raises(ValueError, match="val_00000.bin has sha256"):
+        data.verify(bad)  # ...the --verify pass does not
+
+
+def test_tokenizer_whose_hash_differs_from_the_manifest(prepared, tmp_path):
+    bad = copy_of(prepared, tmp_path)
+    (bad / "tokenizer.json").write_text((prepared / "tokenizer.json").read_text() + "\n")
+    with pytest.raises(ValueError, match="tokenizer.json has sha256.*another tokenizer"):
+        data.tokenizer_path(bad)
+    with pytest.raises(ValueError, match="tokenizer.json has sha256"):
+        data.verify(bad)
+
+
+def test_reused_tokenizer_must_exist_and_have_eos(corpus, tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.json does not exist"):
+        data.prepare(str(corpus[0]), str(tmp_path / "o"), tokenizer=str(tmp_path / "nope.json"))
+    plain = data.Tokenizer(data.models.BPE())
+    plain.save(str(tmp_path / "plain.json"))
+    with pytest.raises(ValueError, match="plain.json has no '<\\|endoftext\\|>'"):
+        data.prepare(str(corpus[0]), str(tmp_path / "o"), tokenizer=str(tmp_path / "plain.json"))
+
+
+def test_seq_len_longer_than_the_split(prepared):
+    val_tokens = data.load_manifest(prepared)["splits"]["val"]["tokens"]
+    with pytest.raises(ValueError, match=f"seq_len={val_tokens} is longer than split 'val'"):
+        PackedShardLoader(prepared, "val", val_tokens, 1)
+    PackedShardLoader(prepared, "val", val_tokens - 1, 1)  # exactly one window fits
+
+
+def test_vocab_too_large_for_the_dtype(prepared, tmp_path):
+    bad = copy_of(prepared, tmp_path)
+    manifest = data.load_manifest(prepared)
+    (bad / "manifest.json").write_text(json.dumps({**manifest, "vocab_size": 70_000}))
+    with pytest.raises(ValueError, match="vocab_size=70,000 does not fit dtype uint16"):
+        PackedShardLoader(bad, "train", T, 1)
+
+
+def test_bad_loader_arguments_and_foreign_state(prepared):
+    with pytest.raises(ValueError, match="split 'test' is not in"):
+        PackedShardLoader(prepared, "test", T, 1)
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        PackedShardLoader(prepared, "train", T, 1, rank=2, world_size=2)
+    state = PackedShardLoader(prepared, "train", T, 1, seed=1).state_dict()
+    with pytest.raises(ValueError, match="seed=1"):
+        PackedShardLoader(prepared, "train", T, 1, seed=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="seq_len=16"):
+        PackedShardLoader(prepared, "train", T + 1, 1, seed=1).load_state_dict(state)
+
+
+def test_cli_prepares_a_directory(corpus, tmp_path):
+    out = tmp_path / "cli"
+    data.main(["--source", str(corpus[0]), "--out", str(out), "--vocab_size", "300",
+               "--shard_tokens", "500", "--val_fraction", "0"])
+    manifest = data.load_manifest(out)
+    assert manifest["vocab_size"] <= 300 and manifest["splits"]["val"]["documents"] == 0
+    assert all(s["tokens"] <= 500 for s in manifest["splits"]["train"]["shards"])
+    with pytest.raises(ValueError, match="also pass --out"):
+        data.prepare(str(corpus[0]))

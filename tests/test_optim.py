@@ -1,0 +1,361 @@
+"""optim.py against independent oracles: torch.optim.Muon, an SVD, explicit schedule tables,
+and single-process Muon for the sharded (FSDP2, torchrun) path."""
+
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from config import StackConfig, TrainConfig
+from optim import (Muon, Split, build_optimizers, check_schedule, format_split, lr_multiplier,
+                   lr_scale, newton_schulz, optimizer_summary, schedule_split)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These matrices are tiny: on a busy 2-core machine, OpenMP threads waiting on each
+    other made each small matmul ~1000x slower than one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+# ---------------------------------------------------------------------------------------
+# Newton–Schulz
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(48, 20), (20, 48), (32, 32)])
+def test_newton_schulz_equals_its_polynomial_on_the_singular_values(shape):
+    """Oracle: the SVD. NS leaves U, V alone and maps each normalised singular value s
+    through s -> a·s + b·s³ + c·s⁵ five times; in float64 the two must agree to rounding."""
+    G = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    U, S, Vh = torch.linalg.svd(G, full_matrices=False)
+    s = S / G.norm()
+    for _ in range(5):
+        s = 3.4445 * s - 4.7750 * s**3 + 2.0315 * s**5
+    expected = U @ torch.diag(s) @ Vh
+    torch.testing.assert_close(newton_schulz(G, 5, torch.float64), expected, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (128, 352), (13, 8)])
+def test_newton_schulz_singular_values_lie_in_a_band_around_one(shape, dtype):
+    """Jordan et al.'s coefficients stop short of exact orthogonality on purpose: for a
+    well-conditioned (rectangular Gaussian) input every singular value ends in ~[0.68, 1.15]."""
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    O = newton_schulz(G, 5, dtype)
+    assert O.dtype == G.dtype and O.shape == G.shape
+    singular_values = torch.linalg.svdvals(O.double())
+    assert singular_values.min() > 0.6 and singular_values.max() < 1.25, singular_values
+
+
+# ---------------------------------------------------------------------------------------
+# Muon against torch.optim.Muon
+# ---------------------------------------------------------------------------------------
+
+
+def weight_change_after_10_steps(make_optimizer, shape):
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(shape))  # O(1) weights: weight decay moves them visibly
+    start = p.detach().clone()
+    optimizer = make_optimizer([p])
+    grads = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        p.grad = torch.randn(shape, generator=grads)
+        optimizer.step()
+    return p.detach() - start
+
+
+def relative_error(x, reference):
+    return ((x - reference).norm() / reference.norm()).item()
+
+
+# torch.optim.Muon always runs Newton–Schulz in bf16 (8-bit mantissa: 0.4% per rounding),
+# ours on CPU in float32, so the two differ by bf16 rounding: measured 0.7% of the weight
+# change over 10 steps. 2% leaves headroom, while real mistakes are 5-30x larger (the test
+# below checks that a wrong momentum or no Nesterov would fail it).
+ORACLE_TOLERANCE = 0.02
+
+
+@pytest.mark.parametrize("adjust_lr", ["match_rms_adamw", "original"])
+@pytest.mark.parametrize("shape", [(64, 32), (32, 96)], ids=["tall", "wide"])
+def test_muon_matches_torch_muon_after_10_steps(shape, adjust_lr):
+    def oracle(params, **changes):
+        settings = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
+                        adjust_lr_fn=adjust_lr) | changes
+        return torch.optim.Muon(params, **settings)
+
+    ours = weight_change_after_10_steps(
+        lambda ps: Muon(ps, lr=0.02, weight_decay=0.1, adjust_lr=adjust_lr), shape)
+    reference = weight_change_after_10_steps(oracle, shape)
+    assert relative_error(ours, reference) < ORACLE_TOLERANCE
+    for mistake in (dict(momentum=0.9), dict(nesterov=False), dict(weight_decay=0.0)):
+        wrong = weight_change_after_10_steps(lambda ps: oracle(ps, **mistake), shape)
+        assert relative_error(wrong, reference) > 2 * ORACLE_TOLERANCE, mistake
+
+
+def test_lr_scale_table():
+    assert lr_scale(512, 1408, "match_rms_adamw") == pytest.approx(0.2 * math.sqrt(1408))
+    assert lr_scale(1408, 512, "match_rms_adamw") == pytest.approx(0.2 * math.sqrt(1408))
+    assert lr_scale(512, 512, "match_rms_adamw") == pytest.approx(4.5254834)
+    assert lr_scale(1408, 512, "original") == pytest.approx(math.sqrt(1408 / 512))
+    assert lr_scale(512, 1408, "original") == 1.0
+
+
+def test_match_rms_adamw_gives_every_matrix_an_update_rms_of_0_2():
+    """Moonlight's claim, checked: lr·0.2·sqrt(max(A, B))·O has RMS ≈ 0.2·lr for any shape."""
+    for shape in [(128, 32), (32, 128), (64, 64)]:
+        O = newton_schulz(torch.randn(shape, generator=torch.Generator().manual_seed(2)))
+        rms = (lr_scale(*shape, "match_rms_adamw") * O).pow(2).mean().sqrt().item()
+        assert 0.15 < rms < 0.21, (shape, rms)  # NS singular values sit a little below 1
+
+
+def test_muon_refuses_what_it_cannot_optimise():
+    with pytest.raises(ValueError, match="2-D matrices only"):
+        Muon([torch.nn.Parameter(torch.ones(4))], lr=0.01)
+    with pytest.raises(ValueError, match="adjust_lr='rms'"):
+        Muon([torch.nn.Parameter(torch.ones(4, 4))], lr=0.01, adjust_lr="rms")
+
+
+def test_state_dict_round_trip_continues_bit_identically():
+    def make():
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(24, 16))
+        return p, Muon([p], lr=0.02)
+
+    def steps(p, optimizer, seeds):
+        for seed in seeds:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
+            optimizer.step()
+
+    p, optimizer = make()
+    steps(p, optimizer, range(5))
+    q, interrupted = make()
+    steps(q, interrupted, range(3))
+    buffer = io.BytesIO()
+    torch.save({"p": q.detach(), "optimizer": interrupted.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    r, resumed = make()
+    with torch.no_grad():
+        r.copy_(saved["p"])
+    resumed.load_state_dict(saved["optimizer"])
+    assert resumed.state[r]["momentum_buffer"].abs().sum() > 0
+    steps(r, resumed, range(3, 5))
+    assert torch.equal(r, p)
+
+
+# ---------------------------------------------------------------------------------------
+# Parameter routing
+# ---------------------------------------------------------------------------------------
+
+
+class StandInModel(torch.nn.Module):
+    """model.py's naming: embed (tied head), blocks[i].attn.{wq,wk,wv,wo,q_norm,k_norm},
+    blocks[i].mlp.{w_gate,w_up,w_down}, pre-norms, final norm."""
+
+    def __init__(self, vocab=64, d=16, kv=8, hidden=40, layers=2, head_dim=4):
+        super().__init__()
+        linear = lambda i, o: torch.nn.Linear(i, o, bias=False)
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList()
+        for _ in range(layers):
+            block = torch.nn.Module()
+            block.attn_norm, block.mlp_norm = torch.nn.RMSNorm(d), torch.nn.RMSNorm(d)
+            block.attn = torch.nn.Module()
+            block.attn.wq, block.attn.wk, block.attn.wv = linear(d, d), linear(d, kv), linear(d, kv)
+            block.attn.wo = linear(d, d)
+            block.attn.q_norm = torch.nn.RMSNorm(head_dim)
+            block.attn.k_norm = torch.nn.RMSNorm(head_dim)
+            block.mlp = torch.nn.Module()
+            block.mlp.w_gate, block.mlp.w_up = linear(d, hidden), linear(d, hidden)
+            block.mlp.w_down = linear(hidden, d)
+            self.blocks.append(block)
+        self.norm = torch.nn.RMSNorm(d)
+        self.head_weight = self.embed.weight  # tied: the same Parameter under a second name
+
+
+def micro_stack100m():
+    """The real model.py at a toy size: same routing rule, its own parameter names."""
+    import model
+    return model.Stack100M(StackConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4,
+                                       n_kv_heads=2, intermediate=64, max_seq_len=32))
+
+
+@pytest.mark.parametrize("make_model", [StandInModel, micro_stack100m])
+def test_every_trainable_parameter_is_in_exactly_one_group(make_model):
+    model = make_model()
+    muon, adamw = build_optimizers(model, TrainConfig())
+    groups = {(name, group["name"]): group for name, opt in (("muon", muon), ("adamw", adamw))
+              for group in opt.param_groups}
+    owner = {}
+    for key, group in groups.items():
+        for p in group["params"]:
+            assert id(p) not in owner, f"in {owner[id(p)]} and {key}"
+            owner[id(p)] = key
+    for name, p in model.named_parameters(remove_duplicate=False):
+        expected = (("adamw", "embedding") if name in ("embed.weight", "head_weight")
+                    else ("adamw", "gains") if "norm" in name else ("muon", "matrices"))
+        assert owner[id(p)] == expected, name
+    assert len(owner) == len(list(model.parameters()))
+
+
+def test_groups_start_at_peak_lr_with_weight_decay_only_on_matrices():
+    cfg = TrainConfig(muon_peak_lr=0.01, adamw_peak_lr=0.002, betas=(0.8, 0.9), weight_decay=0.05,
+                      muon_adjust_lr="original")
+    muon, adamw = build_optimizers(StandInModel(), cfg)
+    (matrices,), (embedding, gains) = muon.param_groups, adamw.param_groups
+    assert (matrices["lr"], matrices["weight_decay"]) == (0.01, 0.05)
+    assert (matrices["momentum"], matrices["adjust_lr"]) == (0.95, "original")
+    assert (embedding["lr"], embedding["weight_decay"]) == (0.002, 0.05)
+    assert embedding["betas"] == (0.8, 0.9)
+    assert (gains["lr"], gains["weight_decay"]) == (0.002, 0.0)
+    assert len(matrices["params"]) == 2 * 7 and len(gains["params"]) == 2 * 4 + 1
+
+
+def test_frozen_parameters_are_left_out():
+    model = StandInModel()
+    model.blocks[0].attn.wq.weight.requires_grad_(False)
+    muon, _ = build_optimizers(model, TrainConfig())
+    assert all(p is not model.blocks[0].attn.wq.weight for p in muon.param_groups[0]["params"])
+
+
+def test_summary_is_one_line_of_counts_and_numels():
+    muon, adamw = build_optimizers(StandInModel(), TrainConfig())
+    line = optimizer_summary(muon, adamw)
+    matrices = 2 * (16 * 16 * 2 + 16 * 8 * 2 + 16 * 40 * 3)
+    gains = 2 * (16 * 2 + 4 * 2) + 16
+    assert line == (f"muon matrices: 14 tensors {matrices:,} params wd 0.1 | "
+                    f"adamw embedding: 1 tensors 1,024 params wd 0.1 | "
+                    f"adamw gains: 9 tensors {gains} params wd 0")
+
+
+# ---------------------------------------------------------------------------------------
+# WSD schedule
+# ---------------------------------------------------------------------------------------
+
+
+def test_reference_splits():
+    full = TrainConfig(total_steps=38_147, stop_at_step=38_147)
+    assert schedule_split(full) == Split(2_000, 32_332, 3_815, 34_332)
+    assert format_split(schedule_split(full)) == "2,000 warmup / 32,332 stable / 3,815 decay"
+    short = TrainConfig(total_steps=34_332, stop_at_step=34_332)
+    assert format_split(check_schedule(short)) == "2,000 warmup / 28,899 stable / 3,433 decay"
+
+
+def test_stack100m_stable_phase_run_never_leaves_peak():
+    cfg = TrainConfig()  # total 38,147, stop at 34,332: the decay leg is never reached
+    assert check_schedule(cfg) == Split(2_000, 32_332, 3_815, 34_332)
+    assert all(lr_multiplier(step, cfg) == 1.0 for step in range(2_000, cfg.stop_at_step))
+    assert lr_multiplier(0, cfg) == 1 / 2_000 and lr_multiplier(1_999, cfg) == 1.0
+
+
+def tiny_schedule(**changes):
+    settings = dict(total_steps=10, stop_at_step=10, warmup_steps=2, decay_steps=4,
+                    decay_shape="linear", final_frac=0.0) | changes
+    return TrainConfig(**settings)
+
+
+# Warmup is (step+1)/warmup: step 0 already trains. Decay progress is (step-decay_start)/decay,
+# the mirror image: the first decay step is still at peak, the last at shape((D-1)/D), and
+# final_frac is reached one step after the run, so no step trains at lr 0.
+SCHEDULE_TABLES = {
+    #         step:  0    1    2    3    4    5    6    7       8       9       10 (past the end)
+    "linear": [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0],
+    "sqrt": [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5, 0.2928932, 0.1339746, 0.0],
+    "cosine": [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.8535534, 0.5, 0.1464466, 0.0],
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SCHEDULE_TABLES))
+def test_schedule_step_by_step_table(shape):
+    cfg = tiny_schedule(decay_shape=shape)
+    got = [lr_multiplier(step, cfg) for step in range(11)]
+    assert got == pytest.approx(SCHEDULE_TABLES[shape], abs=1e-7)
+
+
+def test_decay_ends_at_final_frac():
+    cfg = tiny_schedule(final_frac=0.1)
+    got = [lr_multiplier(step, cfg) for step in range(6, 12)]
+    assert got == pytest.approx([1.0, 0.775, 0.55, 0.325, 0.1, 0.1])
+
+
+def test_explicit_decay_start_moves_the_leg():
+    cfg = tiny_schedule(total_steps=12, stop_at_step=9, decay_start=5)
+    assert check_schedule(cfg) == Split(2, 3, 4, 5)
+    got = [lr_multiplier(step, cfg) for step in range(4, 10)]
+    assert got == pytest.approx([1.0, 1.0, 0.75, 0.5, 0.25, 0.0])
+
+
+def test_refuses_a_run_that_would_stop_mid_decay():
+    cfg = TrainConfig(total_steps=38_147, stop_at_step=36_000)
+    with pytest.raises(ValueError, match=r"stop_at_step=36,000 is inside the decay leg .*"
+                       r"2,000 warmup / 32,332 stable / 3,815 decay.*set decay_start=34,332 "
+                       r"explicitly if intended, or stop_at_step=34,332"):
+        check_schedule(cfg)
+    check_schedule(TrainConfig(total_steps=38_147, stop_at_step=36_000, decay_start=34_332))
+
+
+def test_refuses_warmup_and_decay_longer_than_the_run():
+    cfg = TrainConfig(total_steps=3_000, stop_at_step=3_000, warmup_steps=2_000,
+                      decay_fraction=0.5)
+    with pytest.raises(ValueError, match=r"2,000 \+ 1,500 exceed total_steps=3,000"):
+        check_schedule(cfg)
+
+
+def test_refuses_a_decay_leg_outside_the_run():
+    with pytest.raises(ValueError, match="decay_start=1 does not fit"):
+        check_schedule(tiny_schedule(decay_start=1))
+    with pytest.raises(ValueError, match="decay_start=8 does not fit.*between 2 and 6"):
+        check_schedule(tiny_schedule(decay_start=8))
+
+
+def test_a_full_run_that_decays_at_its_end_is_fine():
+    assert check_schedule(TrainConfig(stop_at_step=38_147)).decay_start == 34_332
+
+
+# ---------------------------------------------------------------------------------------
+# Sharded Muon under torchrun (FSDP2, gloo, CPU)
+# ---------------------------------------------------------------------------------------
+
+
+def torchrun(nproc, action, ckpt_dir, out_json):
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
+               str(ROOT / "tests" / "dist_muon.py"), action, str(ckpt_dir), str(out_json)]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(Path(out_json).read_text())
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory):
+    """2 ranks train and save a checkpoint after step 3; 3 ranks train and also resume it."""
+    tmp = tmp_path_factory.mktemp("dist_muon")
+    return {2: torchrun(2, "save", tmp / "ckpt", tmp / "two.json"),
+            3: torchrun(3, "resume", tmp / "ckpt", tmp / "three.json")}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_muon_equals_single_process_muon(sharded_runs, world_size):
+    """Rows 13 and 2 do not split evenly over the ranks. The negative control, which
+    orthogonalises local shards only, is off by tens of percent: the test can tell."""
+    result = sharded_runs[world_size]
+    assert result["muon"] < 1e-5
+    assert result["local_shard_muon"] > 1e-2
+
+
+@pytest.mark.distributed
+def test_sharded_checkpoint_reloads_on_another_number_of_ranks(sharded_runs):
+    assert sharded_runs[3]["resumed"] < 1e-5
