@@ -96,6 +96,7 @@ class TrainConfig:
     muon_peak_lr: float = 6e-3
     muon_momentum: float = 0.95
     muon_adjust_lr: str = "match_rms_adamw"  # match_rms_adamw | original
+    matrix_optimizer: str = "muon"  # muon | adamw (the all-AdamW baseline)
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
@@ -153,6 +154,7 @@ class TrainConfig:
                    "compile_model": ("auto", "true", "false"),
                    "mixed_precision": ("auto", "bf16", "no"),
                    "muon_adjust_lr": ("match_rms_adamw", "original"),
+                   "matrix_optimizer": ("muon", "adamw"),
                    "wandb_mode": ("disabled", "offline", "online")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -244,7 +244,8 @@ class Muon(torch.optim.Optimizer):
 # Parameter routing
 # ---------------------------------------------------------------------------------------
 
-def build_optimizers(model: torch.nn.Module, cfg) -> tuple[Muon, torch.optim.AdamW]:
+def build_optimizers(model: torch.nn.Module, cfg) -> tuple[torch.optim.Optimizer,
+                                                          torch.optim.AdamW]:
     """Muon for the hidden matrices, AdamW for the rest, both starting at their peak lr.
 
     - Muon: every 2-D parameter except the embedding, i.e. the attention and MLP
@@ -256,7 +257,9 @@ def build_optimizers(model: torch.nn.Module, cfg) -> tuple[Muon, torch.optim.Ada
     - AdamW "gains": the 1-D RMSNorm and QK-norm weights, without weight decay: decay would
       pull each gain towards 0, i.e. shrink the normalised activations it exists to rescale.
 
-    The training loop overwrites group["lr"] = peak * lr_multiplier(step, cfg) every step.
+    With cfg.matrix_optimizer="adamw" the matrices go to an AdamW at adamw_peak_lr instead
+    of Muon (the all-AdamW baseline of bench/recipe.py). Every group records its `peak_lr`;
+    the loop sets group["lr"] = group["peak_lr"] * lr_multiplier(step, cfg) each step.
     """
     embedding = model.embed.weight
     matrices, tables, gains = [], [], []
@@ -267,20 +270,26 @@ def build_optimizers(model: torch.nn.Module, cfg) -> tuple[Muon, torch.optim.Ada
             matrices.append(p)
         else:
             (tables if p.ndim >= 2 else gains).append(p)
-    muon = Muon([dict(params=matrices, name="matrices")], lr=cfg.muon_peak_lr,
-                momentum=cfg.muon_momentum, weight_decay=cfg.weight_decay,
-                adjust_lr=cfg.muon_adjust_lr)
+    if cfg.matrix_optimizer == "muon":
+        matrix_opt = Muon([dict(params=matrices, name="matrices", peak_lr=cfg.muon_peak_lr)],
+                          lr=cfg.muon_peak_lr, momentum=cfg.muon_momentum,
+                          weight_decay=cfg.weight_decay, adjust_lr=cfg.muon_adjust_lr)
+    else:
+        matrix_opt = torch.optim.AdamW(
+            [dict(params=matrices, name="matrices", peak_lr=cfg.adamw_peak_lr)],
+            lr=cfg.adamw_peak_lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     adamw_groups = [dict(params=tables, name="embedding", weight_decay=cfg.weight_decay),
                     dict(params=gains, name="gains", weight_decay=0.0)]
-    adamw = torch.optim.AdamW([g for g in adamw_groups if g["params"]],
-                              lr=cfg.adamw_peak_lr, betas=cfg.betas)
-    return muon, adamw
+    adamw = torch.optim.AdamW([dict(g, peak_lr=cfg.adamw_peak_lr) for g in adamw_groups
+                               if g["params"]], lr=cfg.adamw_peak_lr, betas=cfg.betas)
+    return matrix_opt, adamw
 
 
 def optimizer_summary(muon: Muon, adamw: torch.optim.AdamW) -> str:
     """One line, e.g. `muon matrices: 210 tensors 84,541,440 params wd 0.1 | adamw ...`."""
     parts = []
-    for label, optimizer in (("muon", muon), ("adamw", adamw)):
+    for optimizer in (muon, adamw):
+        label = type(optimizer).__name__.lower()
         for group in optimizer.param_groups:
             numel = sum(p.numel() for p in group["params"])
             parts.append(f"{label} {group.get('name', 'group')}: {len(group['params'])} tensors "

@@ -222,6 +222,23 @@ def test_groups_start_at_peak_lr_with_weight_decay_only_on_matrices():
     assert len(matrices["params"]) == 2 * 7 and len(gains["params"]) == 2 * 4 + 1
 
 
+def test_every_group_records_its_peak_lr():
+    cfg = TrainConfig(muon_peak_lr=0.01, adamw_peak_lr=0.002)
+    muon, adamw = build_optimizers(StandInModel(), cfg)
+    assert [g["peak_lr"] for g in muon.param_groups + adamw.param_groups] == [0.01, 0.002, 0.002]
+
+
+def test_adamw_baseline_puts_the_matrices_in_adamw():
+    """matrix_optimizer="adamw" (bench/recipe.py's baseline): same groups, no Muon."""
+    cfg = TrainConfig(muon_peak_lr=0.01, adamw_peak_lr=0.002, matrix_optimizer="adamw")
+    matrix_opt, adamw = build_optimizers(StandInModel(), cfg)
+    assert type(matrix_opt) is torch.optim.AdamW
+    (matrices,) = matrix_opt.param_groups
+    assert (matrices["lr"], matrices["peak_lr"], matrices["weight_decay"]) == (0.002, 0.002, 0.1)
+    assert matrices["betas"] == cfg.betas and len(matrices["params"]) == 2 * 7
+    assert optimizer_summary(matrix_opt, adamw).startswith("adamw matrices: 14 tensors")
+
+
 def test_frozen_parameters_are_left_out():
     model = StandInModel()
     model.blocks[0].attn.wq.weight.requires_grad_(False)

@@ -1,0 +1,87 @@
+"""Training-step throughput of the full loop versus a bare loop, side by side in one process.
+
+The full loop is `train.main` (loader, token counting, reductions, logging, metrics file);
+its tokens/s is taken from the wall-clock time between its log lines after a warm-up, so
+all of the loop's own overhead counts. The bare loop runs the same prepared model and
+optimizers on one fixed batch: forward, backward, clip, step, nothing else. The ratio
+loop/bare is the share of speed the loop keeps (goal: >= 0.95).
+
+    python bench/throughput.py                       # tiny preset, this machine
+    python bench/throughput.py --preset stack100m --steps 40 --warmup 10   # on a GPU
+
+Prints one JSON line.
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import config  # noqa: E402
+import data  # noqa: E402
+import optim  # noqa: E402
+import train  # noqa: E402
+
+
+def loop_tokens_per_s(cfg, warmup: int) -> float:
+    train.main(cfg)
+    lines = (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, lines) if "tokens_per_s" in r]
+    first, last = records[warmup - 1], records[-1]
+    return (last["tokens_seen"] - first["tokens_seen"]) / (last["elapsed_s"] - first["elapsed_s"])
+
+
+def bare_tokens_per_s(cfg, steps: int, warmup: int) -> float:
+    accelerator = train.make_accelerator(cfg)
+    model = train.build_model(cfg, train.use_compile(cfg))
+    muon, adamw = optim.build_optimizers(model, cfg)
+    model, muon, adamw = accelerator.prepare(model, muon, adamw)
+    loader = data.PackedShardLoader(cfg.data_dir, "train", cfg.seq_len, cfg.micro_batch_size)
+    batch = {k: v.to(accelerator.device) for k, v in next(loader).items()}
+    accum = cfg.grad_accum_steps(1)
+    for step in range(warmup + steps):
+        if step == warmup:
+            if accelerator.device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+        for _ in range(accum):
+            with accelerator.accumulate(model):
+                _, loss = model(**batch, reduction="sum")
+                accelerator.backward(loss / cfg.global_batch_tokens)
+        accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        muon.step()
+        adamw.step()
+        muon.zero_grad(set_to_none=True)
+        adamw.zero_grad(set_to_none=True)
+        float(loss)  # the loop reads its loss every step too
+    return steps * cfg.global_batch_tokens / (time.perf_counter() - start)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="tiny", choices=sorted(config.PRESETS))
+    parser.add_argument("--steps", type=int, default=20, help="measured steps")
+    parser.add_argument("--warmup", type=int, default=5, help="steps before measuring")
+    args = parser.parse_args()
+    total = args.warmup + args.steps
+    with tempfile.TemporaryDirectory() as out:
+        cfg = config.apply_overrides(config.PRESETS[args.preset](), {
+            "out_dir": out, "total_steps": total, "stop_at_step": total,
+            "warmup_steps": 1, "decay_fraction": 0.0, "log_every": 1, "eval_every": 10**9,
+            "ckpt_every": 10**9, "resume": "none", "sample_tokens": 1})
+        train.ensure_data(cfg, train.make_accelerator(cfg))
+        loop = loop_tokens_per_s(cfg, args.warmup)
+        bare = bare_tokens_per_s(cfg, args.steps, args.warmup)
+    print(json.dumps({"bench": "throughput", "preset": args.preset,
+                      "device": str(train.make_accelerator(cfg).device),
+                      "loop_tokens_per_s": round(loop, 1), "bare_tokens_per_s": round(bare, 1),
+                      "ratio": round(loop / bare, 4), "measured_steps": args.steps}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,503 @@
+"""Stack-100M: a Llama-style decoder for pretraining, written to be read top to bottom.
+
+A token's path through the model:
+
+    embed ─► n_layers × Block ─► RMSNorm ─► head (= embed.weight, tied) ─► CE + z-loss
+               │
+               ├─ x + attention(RMSNorm(x))   grouped-query, QK-norm, RoPE (not on NoPE layers)
+               └─ x + SwiGLU(RMSNorm(x))
+
+Training batches are packed: one row holds several documents. `position_ids` restart at 0
+for each document (RoPE sees positions inside the document) and `seq_ids` name the
+document of each token (attention never crosses a document boundary).
+
+Shape letters: B batch, T tokens in a row, S keys (T, or the cache length when
+generating), C model width (d_model), H query heads, K key/value heads, D head dim,
+V vocabulary, N = B·T rows of the loss head.
+
+This file imports nothing from stacklm but config.py.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.utils.checkpoint import checkpoint
+
+from config import StackConfig
+
+# ---------------------------------------------------------------------------------------
+# Normalisation and rotary position embedding
+# ---------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned gain (arXiv 1910.07467): LayerNorm without the
+    mean subtraction and bias, which costs less and trains as well."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # The mean of squares is taken in fp32: in bf16 it loses the small components.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).type_as(x)
+
+
+def rope_cos_sin(position_ids, head_dim: int, theta: float):
+    """cos and sin of the rotary angles (RoFormer, arXiv 2104.09864) for each token.
+
+    Computed from `position_ids` rather than sliced from a table by row index, so that
+    positions restart at 0 for every packed document. Frequencies are in fp32: at
+    position 2,000 a bf16 angle would be off by several radians.
+    """
+    exponents = torch.arange(0, head_dim, 2, device=position_ids.device,
+                             dtype=torch.float32) / head_dim
+    inv_freq = theta ** -exponents  # (D/2,)
+    angles = position_ids[..., None].float() * inv_freq  # (B, T, D/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate each pair (x[i], x[i + D/2]) of every head by its angle. Pairing the two halves
+    (GPT-NeoX/Llama style) rather than neighbours is the same rotation up to a fixed
+    permutation of the head dims, which the projections learn around."""
+    x1, x2 = x.float().chunk(2, dim=-1)  # (B, T, H, D/2) each
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (B, T, 1, D/2): same for every head
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)  # (B, T, H, D)
+    return rotated.type_as(x)
+
+
+def uses_rope(cfg: StackConfig, layer: int) -> bool:
+    """Layer `layer` (0-indexed) has no positional encoding when nope_every > 0 and
+    (layer + 1) % nope_every == 0, i.e. layers 4, 8, 12, … counted from 1 with the default
+    nope_every=4. Such NoPE layers (arXiv 2305.19466) still know the order of tokens through
+    the causal mask; mixing them with RoPE layers helps length generalisation (as in
+    Llama 4 and SmolLM3)."""
+    return not (cfg.nope_every > 0 and (layer + 1) % cfg.nope_every == 0)
+
+
+# ---------------------------------------------------------------------------------------
+# Attention: one chooser, three kernels
+# ---------------------------------------------------------------------------------------
+
+# Eager flex_attention materialises the (T, T) score matrix; compiled, it is one fused
+# kernel that skips the blocks the mask rules out. Compilation is lazy (first call).
+flex_attention_compiled = torch.compile(flex_attention, dynamic=False)
+
+
+def attention_backend(device: torch.device, has_seq_ids: bool) -> str:
+    """Which kernel runs attention.
+
+    - "sdpa_causal": no document ids, so plain causal attention (a fused SDPA kernel).
+    - "flex": packed documents on CUDA; compiled flex_attention with a block-sparse mask
+      built from seq_ids, so blocks of other documents are skipped, not computed.
+    - "sdpa_dense": packed documents on CPU; flex_attention has no CPU backward in
+      torch 2.13, so SDPA takes an explicit (T, T) boolean mask.
+    """
+    if not has_seq_ids:
+        return "sdpa_causal"
+    return "flex" if torch.device(device).type == "cuda" else "sdpa_dense"
+
+
+def document_dense_mask(seq_ids):
+    """True where query t may attend to key s: same document and s <= t."""
+    T = seq_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=seq_ids.device).tril()  # (T, T)
+    same_doc = seq_ids[:, :, None] == seq_ids[:, None, :]  # (B, T, T)
+    return (same_doc & causal)[:, None]  # (B, 1, T, T): broadcast over heads
+
+
+def document_block_mask(seq_ids) -> BlockMask:
+    """The same rule as `document_dense_mask`, as flex_attention's block-sparse BlockMask."""
+    B, T = seq_ids.shape
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (seq_ids[b, q_idx] == seq_ids[b, kv_idx]) & (q_idx >= kv_idx)
+
+    return create_block_mask(same_document_causal, B, None, T, T, device=seq_ids.device)
+
+
+def attention_mask(seq_ids, device) -> BlockMask | torch.Tensor | None:
+    """Build the mask once per forward, in the form the chosen kernel takes."""
+    backend = attention_backend(device, seq_ids is not None)
+    if backend == "flex":
+        return document_block_mask(seq_ids)
+    if backend == "sdpa_dense":
+        return document_dense_mask(seq_ids)
+    return None
+
+
+def attention(q, k, v, mask):
+    """Softmax attention; q (B, H, T, D), k and v (B, K, S, D) -> (B, H, T, D).
+
+    `mask` is None (causal), a boolean (B or 1, 1, T, S) tensor, or a BlockMask. Query head h
+    reads key/value head h // (H / K) (grouped-query attention, arXiv 2305.13245): the
+    kernels' enable_gqa does this without copying k and v H / K times.
+    """
+    if isinstance(mask, BlockMask):
+        return flex_attention_compiled(q, k, v, block_mask=mask, enable_gqa=True)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+class KVCache:
+    """One layer's keys and values for every position generated so far."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def append(self, k, v):
+        """k, v (B, K, T, D) of the new tokens -> all keys and values (B, K, S, D)."""
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        self.k, self.v = k, v
+        return k, v
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention (arXiv 2305.13245) with QK-norm (arXiv 2302.05442).
+
+    QK-norm: RMSNorm on each head's q and k bounds the attention logits, which removes
+    the logit-growth instability of long, high-learning-rate runs. It is applied before
+    RoPE so the rotation acts on unit-scale vectors.
+    """
+
+    def __init__(self, cfg: StackConfig, use_rope: bool):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.use_rope = use_rope
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        norm = (lambda: RMSNorm(cfg.head_dim, cfg.norm_eps)) if cfg.qk_norm else nn.Identity
+        self.q_norm, self.k_norm = norm(), norm()
+
+    def forward(self, x, cos, sin, mask, kv_cache: KVCache | None = None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, K, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, K, D)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
+        if kv_cache is not None:
+            k, v = kv_cache.append(k, v)  # (B, K, S, D)
+        y = attention(q, k, v, mask)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H·D)
+        return self.o_proj(y)  # (B, T, C)
+
+
+class SwiGLU(nn.Module):
+    """Gated MLP, down(silu(gate(x)) · up(x)) (Shazeer, arXiv 2002.05202). Three matrices
+    of width `intermediate` ≈ 2.75·C cost what two of width 4·C would."""
+
+    def __init__(self, d_model: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, intermediate, bias=False)
+        self.up_proj = nn.Linear(d_model, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, d_model, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block. Takes plain tensors (and the mask built once per forward) so
+    the trainer can torch.compile and FSDP-shard each block on its own."""
+
+    def __init__(self, cfg: StackConfig, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, use_rope=uses_rope(cfg, layer))
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.intermediate)
+
+    def forward(self, x, cos, sin, mask, kv_cache: KVCache | None = None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, kv_cache)
+        return x + self.mlp(self.mlp_norm(x))  # (B, T, C)
+
+
+# ---------------------------------------------------------------------------------------
+# Loss head: chunked cross-entropy + z-loss that never holds the (N, V) logits
+# ---------------------------------------------------------------------------------------
+
+
+class ChunkedCrossEntropyZLoss(torch.autograd.Function):
+    """CE + z·logsumexp² over the logits hidden @ weight.T, computed `chunk_size` rows at a time.
+
+    Full logits for N = 65,536 tokens and V = 32,768 are 8 GiB in fp32, and autograd would
+    keep them and their gradient. Here forward keeps only each row's logsumexp (N floats),
+    and backward recomputes each chunk's logits: one extra head matmul, paid in compute
+    instead of memory (the idea of Cut Cross-Entropy, arXiv 2411.09009, and Liger's fused
+    linear CE, arXiv 2410.10989). Logits are fp32 even for bf16 inputs (fp64 for fp64).
+
+    Per row with logits l, softmax p, lse = logsumexp(l), target y and weight g
+    (g = upstream grad × 1/N_valid for "mean", 0 on ignored rows):
+        loss = g · (lse − l_y + z·lse²)
+        dloss/dl = g · (p · (1 + 2z·lse) − onehot(y))
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, z_loss, chunk_size, ignore_index, reduction):
+        # Autocast would run the head matmul in bf16; the logits must be fp32.
+        with torch.autocast(hidden.device.type, enabled=False):
+            dtype = torch.promote_types(hidden.dtype, torch.float32)
+            w = weight.to(dtype)  # (V, C)
+            valid = targets != ignore_index  # (N,)
+            safe_targets = targets.masked_fill(~valid, 0)  # any real index; masked below
+            lse = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
+            target_logit = torch.empty_like(lse)
+            buffer = chunk_buffer(hidden, w, chunk_size)
+            for start in range(0, hidden.shape[0], chunk_size):
+                rows = slice(start, start + chunk_size)
+                h = hidden[rows].to(dtype)  # (chunk, C)
+                logits = torch.mm(h, w.T, out=buffer[: h.shape[0]])  # (chunk, V)
+                target_logit[rows] = logits.gather(1, safe_targets[rows, None]).squeeze(1)
+                # logsumexp in place: torch.logsumexp would allocate a second (chunk, V).
+                row_max = logits.amax(dim=-1, keepdim=True)  # (chunk, 1)
+                lse[rows] = (row_max + logits.sub_(row_max).exp_().sum(-1, keepdim=True).log()
+                             ).squeeze(1)
+            divisor = valid.sum().clamp(min=1) if reduction == "mean" else lse.new_ones(())
+            ce = torch.where(valid, lse - target_logit, 0.0).sum() / divisor
+            z = torch.where(valid, z_loss * lse.square(), 0.0).sum() / divisor
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.z_loss, ctx.chunk_size, ctx.ignore_index, ctx.divisor = (
+            z_loss, chunk_size, ignore_index, divisor)
+        ctx.mark_non_differentiable(ce, z)
+        return ce + z, ce, z
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_ce, _grad_z):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(lse.dtype)  # (V, C)
+            valid = targets != ctx.ignore_index
+            safe_targets = targets.masked_fill(~valid, 0)
+            g = torch.where(valid, grad_loss / ctx.divisor, 0.0)  # (N,) each row's weight
+            softmax_scale = g * (1 + 2 * ctx.z_loss * lse)  # (N,)
+            grad_hidden = torch.empty_like(hidden)
+            grad_weight = torch.zeros_like(w)  # (V, C), accumulated in fp32 (or fp64)
+            buffer = chunk_buffer(hidden, w, ctx.chunk_size)
+            for start in range(0, hidden.shape[0], ctx.chunk_size):
+                rows = slice(start, start + ctx.chunk_size)
+                h = hidden[rows].to(lse.dtype)  # (chunk, C)
+                # In place, so one (chunk, V) buffer goes logits -> softmax -> dlogits.
+                dlogits = torch.mm(h, w.T, out=buffer[: h.shape[0]])  # (chunk, V) logits
+                dlogits.sub_(lse[rows, None]).exp_()  # softmax
+                dlogits.mul_(softmax_scale[rows, None])
+                dlogits.scatter_add_(1, safe_targets[rows, None], -g[rows, None])
+                grad_hidden[rows] = dlogits @ w  # (chunk, C)
+                # In place; the out= form, unlike addmm_, is seen by FlopCounterMode.
+                torch.addmm(grad_weight, dlogits.T, h, out=grad_weight)  # (V, C)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+
+
+def chunk_buffer(hidden, weight, chunk_size: int):
+    """One (chunk, V) buffer reused by every chunk: on CPU a fresh one per chunk made the
+    head matmul ~35% slower (the allocator hands back new pages that must be faulted in)."""
+    rows = min(chunk_size, hidden.shape[0])
+    return torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=weight.device)
+
+
+def fused_ce_z_loss(hidden, weight, targets, z_loss: float, chunk_size: int,
+                    ignore_index: int = -100, reduction: str = "mean"):
+    """Cross-entropy of `hidden @ weight.T` against `targets`, plus PaLM's z-loss
+    z_loss·logsumexp² (arXiv 2204.02311, §5), which keeps the softmax normaliser near 1 and
+    the logits from drifting in bf16.
+
+    hidden (N, C), weight (V, C), targets (N,). Returns (loss, ce, z): `loss` = ce + z is
+    differentiable (gradients for hidden and weight, in their dtypes); `ce` and `z` are
+    detached, for logging. "mean" divides by the number of non-ignored targets, "sum" does
+    not (the trainer normalises by the global token count itself).
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction={reduction!r} must be 'mean' or 'sum'")
+    return ChunkedCrossEntropyZLoss.apply(hidden, weight, targets, z_loss, chunk_size,
+                                          ignore_index, reduction)
+
+
+# ---------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------
+
+
+class Stack100M(nn.Module):
+    """Decoder-only transformer; the LM head is the embedding matrix (tied, arXiv 1608.05859)."""
+
+    def __init__(self, cfg: StackConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)  # also the LM head
+        self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.checkpoint_every = 0
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """Initialise every tensor; s = cfg.init_std (0.02), L = cfg.n_layers.
+
+        - embed.weight (V, C), also the LM head: normal(0, s), GPT-2's choice (Radford et
+          al. 2019). With unit-RMS hidden states the first logits have std s·√C ≈ 0.45, so
+          the first loss is ≈ ln V.
+        - q_proj, k_proj, v_proj, gate_proj, up_proj: normal(0, s).
+        - o_proj, down_proj, the two matrices of each block that write into the residual
+          stream: normal(0, s/√(2L)). There are 2L such writes, so the residual's variance
+          grows by about s² over the whole depth instead of by s² per layer (GPT-2 §2.3;
+          Megatron-LM's "scaled init", arXiv 1909.08053).
+        - every RMSNorm gain (attn_norm, mlp_norm, q_norm, k_norm, the final norm): ones,
+          so each norm starts as pure normalisation.
+        """
+        std, residual_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        nn.init.normal_(self.embed.weight, std=std)
+        for block in self.blocks:
+            attn, mlp = block.attn, block.mlp
+            for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                nn.init.normal_(linear.weight, std=std)
+            for linear in (attn.o_proj, mlp.down_proj):
+                nn.init.normal_(linear.weight, std=residual_std)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def set_activation_checkpointing(self, every: int):
+        """Recompute the activations of every `every`-th block (blocks 0, every, 2·every, …)
+        in backward instead of storing them: 0 = none, 1 = all blocks. Trades ~1/3 more
+        compute for memory, so the default shape fits 24 GB and 16 GB GPUs
+        (config.checkpointing_every parses "none" / "full" / "every-N")."""
+        if every < 0:
+            raise ValueError(f"activation checkpointing every={every} must be >= 0 (0 = off)")
+        self.checkpoint_every = every
+
+    def forward(self, input_ids, targets=None, position_ids=None, seq_ids=None,
+                reduction="mean", return_parts=False, all_logits=False):
+        """input_ids, targets, position_ids, seq_ids: (B, T) integer tensors.
+
+        With targets: (None, loss), or (None, loss, ce, z) with return_parts; loss = CE +
+        z-loss over non-ignored targets (mean or sum), ce and z detached.
+        Without: (logits, None), fp32 logits (B, 1, V) of the last position, or (B, T, V)
+        with all_logits.
+        """
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+        mask = attention_mask(seq_ids, input_ids.device)
+        x = self.embed(input_ids)  # (B, T, C)
+        for layer, block in enumerate(self.blocks):
+            if self.checkpoint_every and layer % self.checkpoint_every == 0:
+                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, mask)
+        x = self.norm(x)  # (B, T, C)
+        if targets is None:
+            x = x if all_logits else x[:, -1:]  # (B, T or 1, C)
+            return F.linear(x, self.embed.weight).float(), None  # (B, T or 1, V)
+        loss, ce, z = fused_ce_z_loss(x.reshape(B * T, -1), self.embed.weight,
+                                      targets.reshape(B * T), self.cfg.z_loss,
+                                      self.cfg.ce_chunk_size, reduction=reduction)
+        return (None, loss, ce, z) if return_parts else (None, loss)
+
+    @torch.no_grad()
+    def generate(self, input_ids, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None):
+        """Extend each row of input_ids (B, T0) by max_new_tokens sampled tokens -> (B, T0+n).
+
+        The prompt is run once, filling one KVCache per layer; each later step feeds only
+        the newest token, at position T0 + i. temperature=0 is greedy decoding.
+        """
+        total = input_ids.shape[1] + max_new_tokens
+        if total > self.cfg.max_seq_len:
+            raise ValueError(f"prompt of {input_ids.shape[1]} tokens + max_new_tokens="
+                             f"{max_new_tokens} exceeds max_seq_len={self.cfg.max_seq_len}; "
+                             f"shorten one of them")
+        caches = [KVCache() for _ in self.blocks]
+        logits = self.forward_cached(input_ids, 0, caches)
+        tokens = input_ids
+        for step in range(max_new_tokens):
+            next_token = sample_next_token(logits[:, -1], temperature, top_k)  # (B, 1)
+            tokens = torch.cat([tokens, next_token], dim=1)
+            if step + 1 < max_new_tokens:
+                logits = self.forward_cached(next_token, tokens.shape[1] - 1, caches)
+        return tokens
+
+    def forward_cached(self, input_ids, start: int, caches: list[KVCache]):
+        """Run tokens at positions start, start+1, … given the cached earlier ones -> logits
+        (B, T, V). The new queries see every cached key and, causally, each other."""
+        B, T = input_ids.shape
+        position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+        mask = torch.ones(T, start + T, dtype=torch.bool,
+                          device=input_ids.device).tril(diagonal=start)  # (T, S)
+        x = self.embed(input_ids)  # (B, T, C)
+        for block, cache in zip(self.blocks, caches):
+            x = block(x, cos, sin, mask, cache)
+        return F.linear(self.norm(x), self.embed.weight).float()  # (B, T, V)
+
+
+def sample_next_token(logits, temperature: float, top_k: int | None):
+    """logits (B, V) -> token ids (B, 1): greedy at temperature 0, else sampled from
+    softmax(logits / temperature), restricted to the top_k most likely tokens if given."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth_largest = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    return torch.multinomial(logits.softmax(dim=-1), num_samples=1)
+
+
+# ---------------------------------------------------------------------------------------
+# Parameter and FLOP accounting
+# ---------------------------------------------------------------------------------------
+
+
+def count_params(model_or_cfg: nn.Module | StackConfig) -> int:
+    """Parameters of a model (each shared tensor once) or, analytically, of a config."""
+    if isinstance(model_or_cfg, nn.Module):
+        return sum(p.numel() for p in model_or_cfg.parameters())
+    return count_matmul_params(model_or_cfg) + count_norm_params(model_or_cfg)
+
+
+def count_norm_params(cfg: StackConfig) -> int:
+    """RMSNorm gains: two per block, q and k norms if enabled, the final norm."""
+    qk = 2 * cfg.head_dim if cfg.qk_norm else 0
+    return cfg.n_layers * (2 * cfg.d_model + qk) + cfg.d_model
+
+
+def count_matmul_params(cfg: StackConfig) -> int:
+    """Parameters that take part in a matmul: every projection, and the tied embedding
+    once (as the LM head; the lookup itself is free)."""
+    C, D = cfg.d_model, cfg.head_dim
+    attention_ = C * D * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)  # q, o and k, v
+    mlp = 3 * C * cfg.intermediate
+    return cfg.n_layers * (attention_ + mlp) + cfg.vocab_size * C
+
+
+def flops_per_token(cfg: StackConfig, seq_len: int, convention: str = "causal") -> float:
+    """Training FLOPs (forward + backward) per token at sequence length `seq_len`.
+
+    Each matmul parameter costs 2 FLOPs per token forward and 4 backward: 6 in all.
+    Attention's scores and weighted sum cost 4·s·d_q per token per layer forward, 12
+    with backward, where d_q = H·D.
+    - "causal": 6·N + 6·L·s·d_q, the count of Kaplan et al. (arXiv 2001.08361, §2.1) with N
+      all parameters, the tied embedding once: the attention term is halved because a
+      causal mask needs only half the scores.
+    - "palm": 6·N_matmul + 12·L·H·D·s, PaLM's appendix B (arXiv 2204.02311) and torchtitan's
+      MFU convention: the full, unmasked attention cost.
+    """
+    L, d_q = cfg.n_layers, cfg.n_heads * cfg.head_dim
+    if convention == "causal":
+        return 6 * count_params(cfg) + 6 * L * seq_len * d_q
+    if convention == "palm":
+        return 6 * count_matmul_params(cfg) + 12 * L * d_q * seq_len
+    raise ValueError(f"convention={convention!r} must be 'causal' or 'palm'")
