@@ -15,10 +15,8 @@ import torch
 from tokenizers import Tokenizer
 
 from config import StackConfig
+from data import EOS_TOKEN
 from model import Stack100M
-
-# Written before every training document, so it is also the beginning-of-sequence token.
-END_OF_TEXT = "<|endoftext|>"
 
 
 def load_export(export_dir: str, device: str = "cpu") -> tuple[Stack100M, Tokenizer]:
@@ -37,7 +35,7 @@ def load_export(export_dir: str, device: str = "cpu") -> tuple[Stack100M, Tokeni
 def complete(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float,
              top_k: int | None) -> str:
     """One completion of `prompt`, cut at the first end-of-text the model generates."""
-    eot = tokenizer.token_to_id(END_OF_TEXT)
+    eot = tokenizer.token_to_id(EOS_TOKEN)
     ids = [eot] + tokenizer.encode(prompt).ids
     device = model.embed.weight.device
     tokens = model.generate(torch.tensor([ids], device=device), max_new_tokens,

@@ -18,7 +18,6 @@ over-weights short micro-batches). The logged loss is normalised the same way.
 """
 
 import dataclasses
-from dataclasses import dataclass
 import json
 import math
 import random
@@ -29,6 +28,7 @@ import sys
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +36,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, set_seed
+from tokenizers import Tokenizer
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
@@ -43,6 +44,7 @@ from tqdm import tqdm
 import config
 import data
 import optim
+import sample
 from config import TrainConfig
 from model import Stack100M, flops_per_token
 
@@ -373,22 +375,16 @@ def evaluate(cfg: TrainConfig, accelerator, model, token_bytes) -> dict:
 
 
 def sample_text(cfg: TrainConfig, accelerator, model) -> str:
-    """A short completion of cfg.sample_prompt. Every rank runs it (FSDP needs all ranks in
-    each forward); the generator is seeded, so the training RNG is left untouched."""
-    from tokenizers import Tokenizer
+    """A short completion of cfg.sample_prompt, as sample.py makes them. Every rank runs it
+    (under FSDP each forward needs all ranks); the seed is fixed and the training RNG state
+    is put back afterwards, so sampling never changes a resumed run."""
     tokenizer = Tokenizer.from_file(data.tokenizer_path(cfg.data_dir))
-    eos = tokenizer.token_to_id(data.EOS_TOKEN)
-    ids = [eos] + tokenizer.encode(cfg.sample_prompt).ids  # EOS opens every document
-    prompt = torch.tensor([ids], device=accelerator.device)
-    torch_state = torch.get_rng_state()
+    rng = torch.get_rng_state()
     torch.manual_seed(cfg.seed)
-    out = accelerator.unwrap_model(model).generate(prompt, cfg.sample_tokens,
-                                                   temperature=0.8, top_k=50)
-    torch.set_rng_state(torch_state)
-    new = [t for t in out[0, len(ids):].tolist()]
-    if eos in new:
-        new = new[:new.index(eos)]
-    return cfg.sample_prompt + tokenizer.decode(new)
+    text = sample.complete(accelerator.unwrap_model(model), tokenizer, cfg.sample_prompt,
+                           cfg.sample_tokens, temperature=0.8, top_k=50)
+    torch.set_rng_state(rng)
+    return text
 
 
 # ---------------------------------------------------------------------------------------
