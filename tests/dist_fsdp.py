@@ -3,9 +3,10 @@
     python -m torch.distributed.run --nproc_per_node=N tests/dist_fsdp.py ACTION DATA OUT
 
 ACTION
-  train  the real model, sharded by `train.shard_model`, trains 3 steps with Muon + AdamW
-         and the chunked loss next to an unsharded copy that sees the whole global batch
-         in one process; rank 0 writes the largest weight and loss differences to OUT/train.json.
+  train  the real model, sharded by `train.shard_model` with every block's activations
+         checkpointed, trains 3 steps with Muon + AdamW and the chunked loss next to an
+         unsharded, uncheckpointed copy that sees the whole global batch in one process;
+         rank 0 writes the largest weight and loss differences to OUT/train.json.
   save   trains the sharded model 3 steps, writes a sharded checkpoint to OUT/ckpt with
          train.py's own writer, and rank 0 writes the full weights and optimizer state to
          OUT/reference.pt.
@@ -14,6 +15,7 @@ ACTION
          OUT/load_<N>.json.
 """
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -85,7 +87,9 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = micro_config(data_dir, str(out), micro_batch_size=2, global_batch_tokens=128 * 6)
-    sharded = make(cfg, sharded=True)
+    checkpointed = action == "train"  # recompute under FSDP2 must give the same gradients
+    sharded = make(dataclasses.replace(cfg, activation_checkpointing="full") if checkpointed
+                   else cfg, sharded=True)
     if action in ("train", "save"):
         loader = data.PackedShardLoader(data_dir, "train", cfg.seq_len, 2, rank, world)
         losses = train_steps(cfg, *sharded, loader, group=dist.group.WORLD)

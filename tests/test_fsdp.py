@@ -24,8 +24,9 @@ def torchrun(nproc: int, action: str, data_dir: str, out: Path):
 
 @pytest.mark.distributed
 def test_sharded_training_equals_single_process(small_data_dir, tmp_path):
-    """3 steps of the real model (Muon's sharded path, AdamW, chunked loss) on 2 ranks
-    equal one process on the whole global batch. Tolerance 1e-5: the sharded run sums
+    """3 steps of the real model (Muon's sharded path, AdamW, chunked loss, every block's
+    activations checkpointed and recomputed under FSDP2) on 2 ranks equal one process on
+    the whole global batch without checkpointing. Tolerance 1e-5: the sharded run sums
     gradients in another order (reduce-scatter) and Newton-Schulz amplifies such
     differences a little; a wrong shard or scale is off by orders more."""
     torchrun(2, "train", small_data_dir, tmp_path)
