@@ -77,6 +77,10 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     the accumulation), so it is read from the launcher's environment via PartialState.
     Without CUDA, `cpu=True` makes a multi-process launch DDP over gloo (MULTI_CPU)."""
     cpu = not torch.cuda.is_available()
+    if not cpu:
+        # fp32 matmuls (the loss head's fp32 logits above all) run on TF32 tensor cores:
+        # fp32 range and accumulation, 10-bit mantissa inputs, as nanoGPT and torchtitan do.
+        torch.set_float32_matmul_precision("high")
     world_size = PartialState(cpu=cpu).num_processes
     precision = {"auto": "no" if cpu else "bf16", "bf16": "bf16", "no": "no"}
     return Accelerator(cpu=cpu, mixed_precision=precision[cfg.mixed_precision],
