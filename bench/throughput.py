@@ -1,8 +1,8 @@
 """Training-step throughput of the full loop versus a bare loop, side by side in one process.
 
-The full loop is `train.main` (loader, token counting, reductions, logging, metrics file);
-its tokens/s is taken from the wall-clock time between its log lines after a warm-up, so
-all of the loop's own overhead counts. The bare loop runs the same prepared model and
+The full loop is `train.main` (loader, token counting, reductions, logging every `warmup`
+steps, metrics file); its tokens/s is taken from the wall-clock time between its log lines
+after a warm-up, so all of the loop's own overhead counts. The bare loop runs the same prepared model and
 optimizers on one fixed batch: forward, backward, clip, step, nothing else. The ratio
 loop/bare is the share of speed the loop keeps (goal: >= 0.95).
 
@@ -14,6 +14,7 @@ Prints one JSON line.
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -29,10 +30,11 @@ import train  # noqa: E402
 
 
 def loop_tokens_per_s(cfg, warmup: int) -> float:
+    """Tokens/s of train.main between its log line at step `warmup` and its last one."""
     train.main(cfg)
     lines = (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()
-    records = [r for r in map(json.loads, lines) if "tokens_per_s" in r]
-    first, last = records[warmup - 1], records[-1]
+    records = {r["step"]: r for r in map(json.loads, lines) if "tokens_per_s" in r}
+    first, last = records[warmup], records[max(records)]
     return (last["tokens_seen"] - first["tokens_seen"]) / (last["elapsed_s"] - first["elapsed_s"])
 
 
@@ -67,20 +69,28 @@ def main():
     parser.add_argument("--preset", default="tiny", choices=sorted(config.PRESETS))
     parser.add_argument("--steps", type=int, default=20, help="measured steps")
     parser.add_argument("--warmup", type=int, default=5, help="steps before measuring")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="bare/loop pairs, interleaved so drift hits both alike")
     args = parser.parse_args()
     total = args.warmup + args.steps
+    loop, bare = [], []
     with tempfile.TemporaryDirectory() as out:
         cfg = config.apply_overrides(config.PRESETS[args.preset](), {
-            "out_dir": out, "total_steps": total, "stop_at_step": total,
-            "warmup_steps": 1, "decay_fraction": 0.0, "log_every": 1, "eval_every": 10**9,
+            "total_steps": total, "stop_at_step": total, "warmup_steps": 1,
+            "decay_fraction": 0.0, "log_every": args.warmup, "eval_every": 10**9,
             "ckpt_every": 10**9, "resume": "none", "sample_tokens": 1})
         train.ensure_data(cfg, train.make_accelerator(cfg))
-        loop = loop_tokens_per_s(cfg, args.warmup)
-        bare = bare_tokens_per_s(cfg, args.steps, args.warmup)
+        for round_ in range(args.rounds):
+            bare.append(bare_tokens_per_s(cfg, args.steps, args.warmup))
+            run_cfg = config.apply_overrides(cfg, {"out_dir": f"{out}/{round_}"})
+            loop.append(loop_tokens_per_s(run_cfg, args.warmup))
+    loop_median, bare_median = statistics.median(loop), statistics.median(bare)
     print(json.dumps({"bench": "throughput", "preset": args.preset,
                       "device": str(train.make_accelerator(cfg).device),
-                      "loop_tokens_per_s": round(loop, 1), "bare_tokens_per_s": round(bare, 1),
-                      "ratio": round(loop / bare, 4), "measured_steps": args.steps}))
+                      "loop_tokens_per_s": round(loop_median, 1),
+                      "bare_tokens_per_s": round(bare_median, 1),
+                      "ratio": round(loop_median / bare_median, 4),
+                      "rounds": args.rounds, "measured_steps": args.steps}))
 
 
 if __name__ == "__main__":
