@@ -204,7 +204,7 @@ def stack100m() -> TrainConfig:
 
 
 def tiny() -> TrainConfig:
-    """A ~4M-parameter model that trains on 2 CPU cores in about five minutes."""
+    """A ~4M-parameter model that trains on 2 CPU cores in about eight minutes."""
     return TrainConfig(model=tiny_model(), data_dir="data/stdlib-4k", out_dir="out/tiny",
                        seq_len=256, micro_batch_size=16, global_batch_tokens=4096,
                        total_steps=300, stop_at_step=300, warmup_steps=30, decay_fraction=0.2,
