@@ -8,6 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import micro_config
+from model import Stack100M
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,8 +45,15 @@ def test_sharded_training_equals_single_process(small_data_dir, tmp_path):
 @pytest.mark.distributed
 def test_sharded_checkpoint_reloads_on_other_rank_counts(small_data_dir, tmp_path):
     """Saved at 2 ranks, loaded at 1 and at 3: every weight and every optimizer state
-    (Muon momentum, AdamW moments and step) is bit-identical."""
+    (Muon momentum, AdamW moments and step) is bit-identical; and, as --export does, a
+    plain unsharded model in a single process reads the same weights."""
     torchrun(2, "save", small_data_dir, tmp_path)
+    # what --export does: one process, no process group, a plain model reads the shards
+    model_cfg = micro_config(small_data_dir, str(tmp_path)).model
+    plain = {"model": Stack100M(model_cfg).state_dict()}
+    dcp.load(plain, checkpoint_id=str(tmp_path / "ckpt"))
+    reference = torch.load(tmp_path / "reference.pt", weights_only=True)
+    assert all(torch.equal(v, reference[f"model.{k}"]) for k, v in plain["model"].items())
     for world in (1, 3):
         torchrun(world, "load", small_data_dir, tmp_path)
         result = json.loads((tmp_path / f"load_{world}.json").read_text())
