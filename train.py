@@ -561,7 +561,9 @@ def save_checkpoint(run: Run, step: int):
     never written over a good checkpoint."""
     cfg, accelerator = run.cfg, run.accelerator
     unwrapped = accelerator.unwrap_model(run.model)
-    finite = all(bool(torch.isfinite(p.detach()).all()) for p in unwrapped.parameters())
+    # Each rank checks the values it holds (its shards under FSDP2); the sum covers all.
+    mine = [p.to_local() if isinstance(p, DTensor) else p for p in unwrapped.parameters()]
+    finite = all(bool(torch.isfinite(t).all()) for t in mine)
     finite_ranks = accelerator.reduce(torch.tensor(float(finite), device=accelerator.device))
     if finite_ranks.item() < accelerator.num_processes:
         raise RuntimeError(f"step {step}: the weights hold non-finite values; refusing to "
