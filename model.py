@@ -89,6 +89,10 @@ def uses_rope(cfg: StackConfig, layer: int) -> bool:
 # Eager flex_attention materialises the (T, T) score matrix; compiled, it is one fused
 # kernel that skips the blocks the mask rules out. Compilation is lazy (first call).
 flex_attention_compiled = torch.compile(flex_attention, dynamic=False)
+# Building a BlockMask evaluates the mask rule for every (query, key) pair: eagerly that
+# makes B·T² int64 temporaries (GiBs at 32 × 2,048) on every forward; compiled, one fused
+# kernel (as torchtitan does). Only the CUDA path needs it.
+create_block_mask_compiled = torch.compile(create_block_mask)
 
 
 def attention_backend(device: torch.device, has_seq_ids: bool) -> str:
@@ -120,7 +124,8 @@ def document_block_mask(seq_ids) -> BlockMask:
     def same_document_causal(b, h, q_idx, kv_idx):
         return (seq_ids[b, q_idx] == seq_ids[b, kv_idx]) & (q_idx >= kv_idx)
 
-    return create_block_mask(same_document_causal, B, None, T, T, device=seq_ids.device)
+    build = create_block_mask_compiled if seq_ids.is_cuda else create_block_mask
+    return build(same_document_causal, B, None, T, T, device=seq_ids.device)
 
 
 def attention_mask(seq_ids, device) -> BlockMask | torch.Tensor | None:
