@@ -75,6 +75,36 @@ def weight_change_after_10_steps(make_optimizer, shape):
     return p.detach() - start
 
 
+def test_stacked_newton_schulz_orthogonalises_each_matrix_on_its_own():
+    """Muon batches same-shape matrices: a stack must equal the matrices one by one."""
+    G = torch.randn(3, 24, 40, generator=torch.Generator().manual_seed(2))
+    G[1] *= 100  # each matrix is normalised by its own norm, not the stack's
+    stacked = newton_schulz(G)
+    for i in range(3):
+        torch.testing.assert_close(stacked[i], newton_schulz(G[i]), rtol=0, atol=1e-6)
+
+
+def test_several_same_shape_matrices_match_torch_muon():
+    """Three matrices of one shape (Muon stacks them) and one of another, against
+    torch.optim.Muon stepping each alone; same tolerance and reason as below."""
+    torch.manual_seed(3)
+    shapes = [(16, 24), (16, 24), (16, 24), (24, 8)]
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    start = [p.detach().clone() for p in ours]
+    opt_ours = Muon(ours, lr=0.02, weight_decay=0.1, adjust_lr="original")
+    opt_theirs = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1)
+    grads = torch.Generator().manual_seed(4)
+    for _ in range(10):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn(a.shape, generator=grads)
+            b.grad = a.grad.clone()
+        opt_ours.step()
+        opt_theirs.step()
+    for a, b, s in zip(ours, theirs, start):
+        assert relative_error(a.detach() - s, b.detach() - s) < 0.02
+
+
 def relative_error(x, reference):
     return ((x - reference).norm() / reference.norm()).item()
 
