@@ -174,8 +174,12 @@ class Muon(torch.optim.Optimizer):
                 update = self._momentum_update(p, group)
                 if is_row_sharded(p):
                     sharded.append((p, group, update))
-                else:  # batched by shape: Stack-100M's 210 matrices have 4 shapes
-                    whole.setdefault((p.shape, id(group)), []).append((p, group, update))
+                else:
+                    # GPUs: one batched Newton–Schulz per shape (Stack-100M's 210 matrices
+                    # have 4), as launches dominate small matmuls; CPUs: one matrix at a
+                    # time, as their batched matmul is slower than a loop of plain ones.
+                    key = (p.shape, id(group)) if p.is_cuda else (id(p),)
+                    whole.setdefault(key, []).append((p, group, update))
         for items in whole.values():
             group = items[0][1]
             stacked = self._orthogonalize(torch.stack([u for _, _, u in items]), group)

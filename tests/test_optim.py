@@ -76,7 +76,7 @@ def weight_change_after_10_steps(make_optimizer, shape):
 
 
 def test_stacked_newton_schulz_orthogonalises_each_matrix_on_its_own():
-    """Muon batches same-shape matrices: a stack must equal the matrices one by one."""
+    """Muon batches same-shape matrices on GPUs: a stack must equal the matrices one by one."""
     G = torch.randn(3, 24, 40, generator=torch.Generator().manual_seed(2))
     G[1] *= 100  # each matrix is normalised by its own norm, not the stack's
     stacked = newton_schulz(G)
@@ -85,7 +85,7 @@ def test_stacked_newton_schulz_orthogonalises_each_matrix_on_its_own():
 
 
 def test_several_same_shape_matrices_match_torch_muon():
-    """Three matrices of one shape (Muon stacks them) and one of another, against
+    """Three matrices of one shape (on a GPU Muon stacks them) and one of another, against
     torch.optim.Muon stepping each alone; same tolerance and reason as below."""
     torch.manual_seed(3)
     shapes = [(16, 24), (16, 24), (16, 24), (24, 8)]
