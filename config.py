@@ -219,10 +219,6 @@ PRESETS = {"stack100m": stack100m, "tiny": tiny}
 # Overrides: TOML file, then `--key=value` flags, each typed from the dataclass field.
 # ---------------------------------------------------------------------------------------
 
-def _field_types(cls) -> dict[str, typing.Any]:
-    return typing.get_type_hints(cls)
-
-
 def _parse_value(text: str, kind, key: str):
     """Turn the text of `--key=value` into the field's type, or say what was expected."""
     if isinstance(kind, types.UnionType):  # `int | None`
@@ -255,7 +251,8 @@ def _unknown_key(key: str, known: list[str]) -> ValueError:
 def apply_overrides(cfg: TrainConfig, overrides: dict[str, typing.Any]) -> TrainConfig:
     """Return a new, validated config with `{"key": value, "model.key": value}` applied.
     Values may be strings (from the CLI) or already typed (from TOML)."""
-    train_types, model_types = _field_types(TrainConfig), _field_types(StackConfig)
+    train_types, model_types = (typing.get_type_hints(TrainConfig),
+                                 typing.get_type_hints(StackConfig))
     known = [k for k in train_types if k != "model"] + [f"model.{k}" for k in model_types]
     top, model = {}, {}
     for key, value in overrides.items():

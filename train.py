@@ -215,54 +215,54 @@ def banner(cfg, accelerator, model, muon, adamw, loader, compiled) -> str:
 def main(cfg: TrainConfig) -> dict:
     """Train as `cfg` says; return the last logged metrics and the final evaluation."""
     run = setup(cfg)
-    accelerator, step = run.accelerator, run.step
+    accelerator = run.accelerator
     token_bytes = data.token_bytes(cfg.data_dir).to(accelerator.device)
-    bad_steps, last_eval, last_ckpt, train_seconds, metrics = 0, None, step, 0.0, {}
-    with StopFlag() as stop, MetricsLogger(cfg, accelerator, start_step=step) as logger:
-        while step < cfg.stop_at_step:
-            if step % cfg.eval_every == 0 and last_eval != step:
+    bad_steps, last_eval, last_ckpt, train_seconds, metrics = 0, None, run.step, 0.0, {}
+    with StopFlag() as stop, MetricsLogger(cfg, accelerator, start_step=run.step) as logger:
+        while run.step < cfg.stop_at_step:
+            if run.step % cfg.eval_every == 0 and last_eval != run.step:
                 metrics.update(evaluate(cfg, accelerator, run.model, token_bytes))
-                logger.log_eval(step, metrics)
-                last_eval = step
+                logger.log_eval(run.step, metrics)
+                last_eval = run.step
 
             # The learning rate is a pure function of the step (never a prepared scheduler:
             # accelerate would step it once per process).
-            multiplier = optim.lr_multiplier(step, cfg)
+            multiplier = optim.lr_multiplier(run.step, cfg)
             for opt in (run.muon, run.adamw):
                 for group in opt.param_groups:
                     group["lr"] = group["peak_lr"] * multiplier
             result = train_step(run, stop)
             train_seconds += result["seconds"]
-            step += 1
+            run.step += 1
             run.tokens_seen += cfg.global_batch_tokens
 
             if result["skipped"]:
                 bad_steps += 1
-                logger.count_bad_step(step - 1, result["loss"], result["grad_norm"])
+                logger.count_bad_step(run.step - 1, result["loss"], result["grad_norm"])
                 if bad_steps >= cfg.max_bad_steps:
                     raise RuntimeError(
-                        f"{bad_steps} consecutive non-finite steps (last at step {step - 1}): "
+                        f"{bad_steps} consecutive non-finite steps (last at step {run.step - 1}): "
                         f"stopping. The last good checkpoint in {ckpt_root(cfg)} is intact; "
                         f"lower the learning rates or grad_clip and resume from it")
             else:
                 bad_steps = 0
-            if step % cfg.log_every == 0 or step == cfg.stop_at_step:
+            if run.step % cfg.log_every == 0 or run.step == cfg.stop_at_step:
                 lrs = (run.muon.param_groups[0]["lr"], run.adamw.param_groups[0]["lr"])
-                metrics.update(logger.log_train(step, result, lrs, run.tokens_seen,
+                metrics.update(logger.log_train(run.step, result, lrs, run.tokens_seen,
                                                 train_seconds))
-            if step % cfg.ckpt_every == 0 or result["stop"]:
-                save_checkpoint(run, step)
-                last_ckpt = step
+            if run.step % cfg.ckpt_every == 0 or result["stop"]:
+                save_checkpoint(run)
+                last_ckpt = run.step
             if result["stop"]:
-                accelerator.print(f"stop requested: saved step {step:,} in {ckpt_root(cfg)}; "
-                                  f"run the same command again to resume")
+                accelerator.print(f"stop requested: saved step {run.step:,} in "
+                                  f"{ckpt_root(cfg)}; run the same command again to resume")
                 return metrics
 
-        if last_eval != step:
+        if last_eval != run.step:
             metrics.update(evaluate(cfg, accelerator, run.model, token_bytes))
-            logger.log_eval(step, metrics)
-        if last_ckpt != step:
-            save_checkpoint(run, step)
+            logger.log_eval(run.step, metrics)
+        if last_ckpt != run.step:
+            save_checkpoint(run)
     metrics["sample"] = sample_text(cfg, accelerator, run.model)
     accelerator.print(f"sample ({cfg.sample_prompt!r} →):\n{metrics['sample']}")
     return metrics
@@ -278,7 +278,7 @@ class Run:
     adamw: torch.optim.Optimizer
     loader: data.PackedShardLoader
     manifest: dict
-    step: int = 0
+    step: int = 0  # optimizer steps taken, advanced by the loop
     tokens_seen: int = 0
 
 
@@ -555,11 +555,11 @@ def _raw(optimizer):
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def save_checkpoint(run: Run, step: int):
-    """Write into step_XXXXXXX.tmp and rename once every rank is done: a crash mid-write
-    leaves the previous checkpoint as the newest complete one. Non-finite weights are
-    never written over a good checkpoint."""
-    cfg, accelerator = run.cfg, run.accelerator
+def save_checkpoint(run: Run):
+    """Write run.step's checkpoint into step_XXXXXXX.tmp and rename it once every rank is
+    done: a crash mid-write leaves the previous checkpoint as the newest complete one.
+    Non-finite weights are never written over a good checkpoint."""
+    cfg, accelerator, step = run.cfg, run.accelerator, run.step
     unwrapped = accelerator.unwrap_model(run.model)
     # Each rank checks the values it holds (its shards under FSDP2); the sum covers all.
     mine = [p.to_local() if isinstance(p, DTensor) else p for p in unwrapped.parameters()]
