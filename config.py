@@ -11,31 +11,48 @@ This file imports nothing else from stacklm.
 import argparse
 import dataclasses
 import difflib
+import shlex
 import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 
 
+def knob(default, description: str):
+    """A config field and its one-line description, the only one: `--help` prints it."""
+    return field(default=default, metadata={"help": description})
+
+
+# The knobs that take one of a few words; `validate` refuses any other and `--help` lists them.
+CHOICES = {"decay_shape": ("linear", "sqrt", "cosine"),
+           "compile_model": ("auto", "true", "false"),
+           "mixed_precision": ("auto", "bf16", "no"),
+           "muon_adjust_lr": ("match_rms_adamw", "original"),
+           "matrix_optimizer": ("muon", "adamw"),
+           "wandb_mode": ("disabled", "offline", "online")}
+
+
 @dataclass
 class StackConfig:
     """The decoder's shape. The defaults are Stack-100M (101.3M parameters)."""
 
-    vocab_size: int = 32768
-    d_model: int = 512
-    n_layers: int = 30
-    n_heads: int = 8
-    n_kv_heads: int = 2  # grouped-query attention: 4 query heads share each k/v head
-    intermediate: int = 1408  # SwiGLU hidden width, ~2.75 x d_model
-    max_seq_len: int = 2048
-    rope_theta: float = 10000.0
-    qk_norm: bool = True  # RMSNorm on per-head q and k (arXiv 2302.05442)
-    nope_every: int = 4  # every 4th layer has no rotary embedding (NoPE, arXiv 2305.19466)
-    tie_embeddings: bool = True
-    z_loss: float = 1e-4  # PaLM's z-loss weight on logsumexp^2 (arXiv 2204.02311)
-    norm_eps: float = 1e-6
-    init_std: float = 0.02
-    ce_chunk_size: int = 4096  # rows of the loss head computed at once (memory vs speed)
+    vocab_size: int = knob(32768, "tokens in the vocabulary, that of data_dir's tokenizer")
+    d_model: int = knob(512, "width of the residual stream")
+    n_layers: int = knob(30, "transformer blocks")
+    n_heads: int = knob(8, "query heads per attention layer")
+    n_kv_heads: int = knob(2, "key/value heads, shared by groups of query heads (GQA, arXiv "
+                              "2305.13245)")
+    intermediate: int = knob(1408, "SwiGLU hidden width, ~2.75 x d_model")
+    max_seq_len: int = knob(2048, "longest sequence the model accepts")
+    rope_theta: float = knob(10000.0, "RoPE base frequency (arXiv 2104.09864)")
+    qk_norm: bool = knob(True, "RMSNorm on per-head q and k (arXiv 2302.05442)")
+    nope_every: int = knob(4, "every N-th layer has no RoPE (NoPE, arXiv 2305.19466); 0: none")
+    tie_embeddings: bool = knob(True, "the LM head is the embedding matrix (only true works)")
+    z_loss: float = knob(1e-4, "PaLM's z-loss weight on logsumexp^2 (arXiv 2204.02311)")
+    norm_eps: float = knob(1e-6, "RMSNorm epsilon")
+    init_std: float = knob(0.02, "normal init std; o_proj and down_proj get "
+                                 "init_std/sqrt(2*n_layers)")
+    ce_chunk_size: int = knob(4096, "rows of the loss head computed at once (memory vs speed)")
 
     def __post_init__(self):
         positive = ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
@@ -74,49 +91,64 @@ def tiny_model() -> StackConfig:
 class TrainConfig:
     """One training run. Defaults are the Stack-100M reference run (preset `stack100m`)."""
 
-    model: StackConfig = field(default_factory=StackConfig)
+    model: StackConfig = field(default_factory=StackConfig,
+                               metadata={"help": "the decoder's shape"})
     # data and outputs
-    data_dir: str = "data/stdlib-32k"  # made by `python data.py`
-    out_dir: str = "out/stack100m"
+    data_dir: str = knob("data/stdlib-32k", "tokenized dataset, made by `python prepare.py`")
+    out_dir: str = knob("out/stack100m", "checkpoints (out_dir/ckpt), metrics.jsonl, export")
     # batch: the global batch is fixed in tokens; gradient accumulation is derived from it
-    seq_len: int = 2048
-    micro_batch_size: int = 32  # sequences per forward pass on one rank
-    global_batch_tokens: int = 524_288  # tokens per optimizer step, all ranks together
+    seq_len: int = knob(2048, "tokens per training sequence")
+    micro_batch_size: int = knob(32, "sequences per forward pass on one rank")
+    global_batch_tokens: int = knob(524_288, "tokens per optimizer step, all ranks together")
     # schedule: warmup-stable-decay (WSD, arXiv 2404.06395), in optimizer steps
-    total_steps: int = 38_147  # the full run the schedule is laid out for (20B tokens)
-    stop_at_step: int = 34_332  # where this run stops: the end of the stable phase
-    warmup_steps: int = 2_000
-    decay_fraction: float = 0.1  # decay leg as a fraction of total_steps (if decay_steps unset)
-    decay_steps: int | None = None  # decay leg length; None: round(decay_fraction*total_steps)
-    decay_start: int | None = None  # absolute first decay step; None: total_steps-decay_steps
-    decay_shape: str = "sqrt"  # linear | sqrt (1-sqrt) | cosine
-    final_frac: float = 0.0  # lr multiplier at the end of the decay leg
+    total_steps: int = knob(38_147, "the full run the schedule is laid out for (20B tokens)")
+    stop_at_step: int = knob(34_332, "where this run stops (stack100m: end of the stable phase)")
+    warmup_steps: int = knob(2_000, "linear warmup length, in optimizer steps")
+    decay_fraction: float = knob(0.1, "decay leg as a fraction of total_steps, when "
+                                      "decay_steps is none")
+    decay_steps: int | None = knob(None, "decay leg length; none: "
+                                         "round(decay_fraction*total_steps)")
+    decay_start: int | None = knob(None, "first step of the decay leg; none: "
+                                         "total_steps-decay_steps")
+    decay_shape: str = knob("sqrt", "shape of the decay leg (sqrt: 1-sqrt, arXiv 2405.18392)")
+    final_frac: float = knob(0.0, "lr multiplier at the end of the decay leg")
     # optimizers: Muon on hidden matrices, AdamW on embedding and gains
-    adamw_peak_lr: float = 3e-3
-    muon_peak_lr: float = 6e-3
-    muon_momentum: float = 0.95
-    muon_adjust_lr: str = "match_rms_adamw"  # match_rms_adamw | original
-    matrix_optimizer: str = "muon"  # muon | adamw (the all-AdamW baseline)
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
-    max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
+    adamw_peak_lr: float = knob(3e-3, "AdamW's peak lr (embedding, gains; matrices too if adamw)")
+    # The unit of muon_peak_lr: with muon_adjust_lr=match_rms_adamw, Muon's step on an (A, B)
+    # matrix is lr·0.2·√max(A, B)·O, and an orthogonal O has entry RMS 1/√max(A, B), so the
+    # update's RMS is 0.2·lr, the scale of an AdamW update (Moonlight, arXiv 2502.16982):
+    # that is why muon_peak_lr is comparable to adamw_peak_lr. 6e-3 was not tuned by any run
+    # here; it is 2x adamw_peak_lr as a starting point, and bench/recipe.py's short sweep
+    # (tiny model, 80 steps) preferred 3e-3.
+    muon_peak_lr: float = knob(6e-3, "Muon's peak lr; on AdamW's scale with match_rms_adamw; "
+                                     "not tuned")
+    muon_momentum: float = knob(0.95, "Muon's momentum (Nesterov)")
+    muon_adjust_lr: str = knob("match_rms_adamw", "Muon's per-matrix lr scale (Moonlight, "
+                                                  "arXiv 2502.16982 | Jordan et al.)")
+    matrix_optimizer: str = knob("muon", "optimizer of the hidden matrices (adamw: the all-AdamW "
+                                         "baseline)")
+    weight_decay: float = knob(0.1, "decoupled weight decay of matrices and embedding, not "
+                                    "gains")
+    betas: tuple[float, float] = knob((0.9, 0.95), "AdamW's (beta1, beta2)")
+    grad_clip: float = knob(1.0, "max global grad norm; 0 disables clipping")
+    max_bad_steps: int = knob(5, "consecutive non-finite steps before the run stops")
     # hardware; "auto" picks the fast choice on CUDA and the safe one on CPU
-    seed: int = 1337
-    compile_model: str = "auto"  # auto | true | false
-    mixed_precision: str = "auto"  # auto | bf16 | no
-    activation_checkpointing: str = "none"  # none | full | every-N (every N-th block)
+    seed: int = knob(1337, "seeds the initial weights, the data order and the sample")
+    compile_model: str = knob("auto", "torch.compile the model (auto: on CUDA only)")
+    mixed_precision: str = knob("auto", "autocast (auto: bf16 on CUDA, no on CPU)")
+    activation_recompute: str = knob("none", "none | full | every-N: blocks recomputed in "
+                                             "backward instead of stored")
     # logging, evaluation, checkpoints
-    log_every: int = 10
-    eval_every: int = 1_000
-    eval_tokens: int = 4_194_304  # validation tokens per evaluation
-    ckpt_every: int = 1_000
-    keep_last_ckpts: int = 5
-    resume: str = "auto"  # auto (newest checkpoint in out_dir) | none | a checkpoint path
-    sample_prompt: str = "def "
-    sample_tokens: int = 64
-    wandb_mode: str = "disabled"  # disabled | offline | online
-    wandb_project: str = "stacklm"
+    log_every: int = knob(10, "optimizer steps between log lines")
+    eval_every: int = knob(1_000, "optimizer steps between validation evaluations")
+    eval_tokens: int = knob(4_194_304, "validation tokens per evaluation")
+    ckpt_every: int = knob(1_000, "optimizer steps between checkpoints")
+    keep_last_ckpts: int = knob(5, "checkpoints kept in out_dir/ckpt; older ones are deleted")
+    resume: str = knob("auto", "auto | none | PATH: auto is the newest checkpoint in out_dir")
+    sample_prompt: str = knob("def ", "text the end-of-run sample continues")
+    sample_tokens: int = knob(64, "tokens generated for that sample")
+    wandb_mode: str = knob("disabled", "Weights & Biases logging")
+    wandb_project: str = knob("stacklm", "Weights & Biases project")
 
     def __post_init__(self):
         if isinstance(self.model, dict):
@@ -135,12 +167,7 @@ class TrainConfig:
         if self.seq_len > self.model.max_seq_len:
             raise ValueError(f"seq_len={self.seq_len} exceeds model.max_seq_len="
                              f"{self.model.max_seq_len}; lower seq_len or raise max_seq_len")
-        per_rank = self.micro_batch_size * self.seq_len
-        if self.global_batch_tokens % per_rank:
-            raise ValueError(f"global_batch_tokens={self.global_batch_tokens:,} is not a "
-                             f"multiple of micro_batch_size*seq_len={self.micro_batch_size}*"
-                             f"{self.seq_len}={per_rank:,}; use a multiple such as "
-                             f"{max(1, round(self.global_batch_tokens / per_rank)) * per_rank:,}")
+        self.grad_accum_steps(1)  # raises if one rank cannot split the global batch
         if self.stop_at_step > self.total_steps:
             raise ValueError(f"stop_at_step={self.stop_at_step:,} is past total_steps="
                              f"{self.total_steps:,}; the schedule has no steps there")
@@ -150,16 +177,10 @@ class TrainConfig:
             raise ValueError(f"final_frac={self.final_frac} must be within [0, 1]")
         if self.weight_decay < 0 or self.grad_clip < 0 or self.warmup_steps < 0:
             raise ValueError("weight_decay, grad_clip and warmup_steps must be >= 0")
-        choices = {"decay_shape": ("linear", "sqrt", "cosine"),
-                   "compile_model": ("auto", "true", "false"),
-                   "mixed_precision": ("auto", "bf16", "no"),
-                   "muon_adjust_lr": ("match_rms_adamw", "original"),
-                   "matrix_optimizer": ("muon", "adamw"),
-                   "wandb_mode": ("disabled", "offline", "online")}
-        for name, allowed in choices.items():
+        for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
-        checkpointing_every(self.activation_checkpointing)
+        self.recompute_every  # raises if activation_recompute is malformed
 
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro-batches per rank per optimizer step, derived so the global batch survives
@@ -169,12 +190,29 @@ class TrainConfig:
             fits = [m for m in range(1, self.micro_batch_size + 1)
                     if self.global_batch_tokens % (m * self.seq_len * world_size) == 0]
             nearest = max(1, round(self.global_batch_tokens / per_step)) * per_step
+            # every rank count is a multiple of 1, and no multiple of world_size can split it
+            ranks = " or another number of ranks" if world_size > 1 else ""
             fix = (f"use micro_batch_size={fits[-1]}" if fits
-                   else f"use global_batch_tokens={nearest:,} or another number of ranks")
+                   else f"use global_batch_tokens={nearest:,}{ranks}")
             raise ValueError(f"global_batch_tokens={self.global_batch_tokens:,} is not divisible "
                              f"by micro_batch_size*seq_len*world_size={self.micro_batch_size}*"
                              f"{self.seq_len}*{world_size}={per_step:,}; {fix}")
         return self.global_batch_tokens // per_step
+
+    @property
+    def recompute_every(self) -> int:
+        """Every how many blocks backward recomputes a block's activations instead of keeping
+        them: `none` -> 0, `full` -> 1, `every-N` -> N."""
+        mode = self.activation_recompute
+        if mode == "none":
+            return 0
+        if mode == "full":
+            return 1
+        prefix, _, n = mode.partition("-")
+        if prefix != "every" or not n.isdigit() or int(n) < 1:
+            raise ValueError(f"activation_recompute={mode!r} is not none, full or every-N "
+                             f"(e.g. every-2 recomputes every second block)")
+        return int(n)
 
     def batch_summary(self, world_size: int) -> str:
         """E.g. `524,288 tokens/step = 256 seqs x 2,048 = 32 micro x 8 accum x 1 rank`."""
@@ -183,19 +221,6 @@ class TrainConfig:
         ranks = "rank" if world_size == 1 else "ranks"
         return (f"{self.global_batch_tokens:,} tokens/step = {seqs:,} seqs × {self.seq_len:,} = "
                 f"{self.micro_batch_size} micro × {accum} accum × {world_size} {ranks}")
-
-
-def checkpointing_every(mode: str) -> int:
-    """`none` -> 0, `full` -> 1, `every-N` -> N: checkpoint every N-th block's activations."""
-    if mode == "none":
-        return 0
-    if mode == "full":
-        return 1
-    prefix, _, n = mode.partition("-")
-    if prefix != "every" or not n.isdigit() or int(n) < 1:
-        raise ValueError(f"activation_checkpointing={mode!r} is not none, full or every-N "
-                         f"(e.g. every-2 recomputes every second block)")
-    return int(n)
 
 
 def stack100m() -> TrainConfig:
@@ -276,14 +301,29 @@ def _flatten_toml(table: dict) -> dict:
     return flat
 
 
-def _help_text() -> str:
-    lines = ["knobs (defaults of the stack100m preset):"]
-    for f in dataclasses.fields(TrainConfig):
+def _knob_rows(defaults, prefix: str) -> list[tuple[str, str]]:
+    """(`--name=default`, description) for each knob of a config; the default is quoted as a
+    shell needs it (`--sample_prompt='def '`), so each line can be pasted as it reads."""
+    rows = []
+    for f in dataclasses.fields(defaults):
         if f.name != "model":
-            lines.append(f"  --{f.name}={getattr(TrainConfig(), f.name)}")
-    for f in dataclasses.fields(StackConfig):
-        lines.append(f"  --model.{f.name}={getattr(StackConfig(), f.name)}")
-    return "\n".join(lines)
+            choices = " | ".join(CHOICES.get(f.name, ()))
+            description = f.metadata.get("help", "")
+            rows.append((f"--{prefix}{f.name}={shlex.quote(str(getattr(defaults, f.name)))}",
+                         f"{choices}: {description}" if choices else description))
+    return rows
+
+
+def _help_text() -> str:
+    """The epilog of --help: one line per knob, `--name=default` beside its description."""
+    run = TrainConfig()
+    run_rows, model_rows = _knob_rows(run, ""), _knob_rows(run.model, "model.")
+    width = max(len(flag) for flag, _ in run_rows + model_rows)
+    model_help = {f.name: f for f in dataclasses.fields(run)}["model"].metadata["help"]
+    return "\n".join(["knobs (defaults of the stack100m preset):",
+                      *(f"  {flag:<{width}}  {text}" for flag, text in run_rows),
+                      f"model knobs ({model_help}):",
+                      *(f"  {flag:<{width}}  {text}" for flag, text in model_rows)])
 
 
 def parse_args(argv: list[str] | None = None, default_preset: str = "stack100m"):

@@ -1,4 +1,5 @@
-"""Stack-100M: a Llama-style decoder for pretraining, written to be read top to bottom.
+"""The Transformer: a Llama-style decoder for pretraining, written to be read top to bottom.
+Stack-100M (config.StackConfig's defaults) and the 4M `tiny` model are two shapes of it.
 
 A token's path through the model:
 
@@ -19,6 +20,7 @@ This file imports nothing from stacklm but config.py.
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -335,8 +337,23 @@ def fused_ce_z_loss(hidden, weight, targets, z_loss: float, chunk_size: int,
 # ---------------------------------------------------------------------------------------
 
 
-class Stack100M(nn.Module):
-    """Decoder-only transformer; the LM head is the embedding matrix (tied, arXiv 1608.05859)."""
+class Loss(NamedTuple):
+    """What a training forward returns: `loss` = ce + z, the one to differentiate, and its
+    two parts, detached, for logging. Each is a mean or a sum over the non-ignored targets."""
+    loss: torch.Tensor
+    ce: torch.Tensor
+    z: torch.Tensor
+
+
+class Transformer(nn.Module):
+    """Decoder-only transformer; the LM head is the embedding matrix (tied, arXiv 1608.05859).
+
+    `recompute_every` trades compute for memory (activation recomputation, also called
+    activation checkpointing): every `recompute_every`-th block (blocks 0, N, 2N, …) keeps
+    only its input and recomputes its activations in backward; 0 = none, 1 = every block.
+    It costs ~1/3 more compute and lets the default shape fit 24 GB and 16 GB GPUs. The
+    trainer sets it from TrainConfig.activation_recompute.
+    """
 
     def __init__(self, cfg: StackConfig):
         super().__init__()
@@ -344,7 +361,7 @@ class Stack100M(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)  # also the LM head
         self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.checkpoint_every = 0
+        self.recompute_every = 0
         self.init_weights()
 
     @torch.no_grad()
@@ -374,24 +391,25 @@ class Stack100M(nn.Module):
             if isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 
-    def set_activation_checkpointing(self, every: int):
-        """Recompute the activations of every `every`-th block (blocks 0, every, 2·every, …)
-        in backward instead of storing them: 0 = none, 1 = all blocks. Trades ~1/3 more
-        compute for memory, so the default shape fits 24 GB and 16 GB GPUs
-        (config.checkpointing_every parses "none" / "full" / "every-N")."""
-        if every < 0:
-            raise ValueError(f"activation checkpointing every={every} must be >= 0 (0 = off)")
-        self.checkpoint_every = every
+    def forward(self, input_ids, targets, position_ids=None, seq_ids=None,
+                reduction="mean") -> Loss:
+        """input_ids, targets, position_ids, seq_ids: (B, T) integer tensors -> Loss(loss, ce,
+        z): CE + z-loss over the non-ignored targets, their mean or (reduction="sum") sum.
+        The (B·T, V) logits are never built; `logits` is the method that returns them."""
+        B, T = input_ids.shape
+        x = self.hidden_states(input_ids, position_ids, seq_ids)  # (B, T, C)
+        return Loss(*fused_ce_z_loss(x.reshape(B * T, -1), self.embed.weight,
+                                     targets.reshape(B * T), self.cfg.z_loss,
+                                     self.cfg.ce_chunk_size, reduction=reduction))
 
-    def forward(self, input_ids, targets=None, position_ids=None, seq_ids=None,
-                reduction="mean", return_parts=False, all_logits=False):
-        """input_ids, targets, position_ids, seq_ids: (B, T) integer tensors.
+    def logits(self, input_ids, position_ids=None, seq_ids=None, last_only=False):
+        """fp32 logits (B, T, V), or (B, 1, V) of the last position with last_only."""
+        x = self.hidden_states(input_ids, position_ids, seq_ids)  # (B, T, C)
+        x = x[:, -1:] if last_only else x  # (B, 1 or T, C)
+        return F.linear(x, self.embed.weight).float()  # (B, 1 or T, V)
 
-        With targets: (None, loss), or (None, loss, ce, z) with return_parts; loss = CE +
-        z-loss over non-ignored targets (mean or sum), ce and z detached.
-        Without: (logits, None), fp32 logits (B, 1, V) of the last position, or (B, T, V)
-        with all_logits.
-        """
+    def hidden_states(self, input_ids, position_ids, seq_ids):
+        """The final-norm hidden states (B, T, C) that the head turns into logits."""
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
@@ -399,18 +417,11 @@ class Stack100M(nn.Module):
         mask = attention_mask(seq_ids, input_ids.device)
         x = self.embed(input_ids)  # (B, T, C)
         for layer, block in enumerate(self.blocks):
-            if self.checkpoint_every and layer % self.checkpoint_every == 0:
+            if self.recompute_every and layer % self.recompute_every == 0:
                 x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask)
-        x = self.norm(x)  # (B, T, C)
-        if targets is None:
-            x = x if all_logits else x[:, -1:]  # (B, T or 1, C)
-            return F.linear(x, self.embed.weight).float(), None  # (B, T or 1, V)
-        loss, ce, z = fused_ce_z_loss(x.reshape(B * T, -1), self.embed.weight,
-                                      targets.reshape(B * T), self.cfg.z_loss,
-                                      self.cfg.ce_chunk_size, reduction=reduction)
-        return (None, loss, ce, z) if return_parts else (None, loss)
+        return self.norm(x)  # (B, T, C)
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int, temperature: float = 1.0,
@@ -444,7 +455,7 @@ class Stack100M(nn.Module):
         mask = torch.ones(T, start + T, dtype=torch.bool,
                           device=input_ids.device).tril(diagonal=start)  # (T, S)
         x = self.embed(input_ids)  # (B, T, C)
-        for block, cache in zip(self.blocks, caches):
+        for block, cache in zip(self.blocks, caches, strict=True):
             x = block(x, cos, sin, mask, cache)
         return F.linear(self.norm(x), self.embed.weight).float()  # (B, T, V)
 

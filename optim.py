@@ -5,10 +5,11 @@
   and AdamW-matched step size of Moonlight (Liu et al. 2025, arXiv 2502.16982). Under FSDP2
   it orthogonalises each full matrix on one "owner" rank, never just the local shard.
 - `build_optimizers` routes every parameter: hidden matrices to Muon, the tied
-  embedding/head and the 1-D gains to AdamW.
+  embedding/head and the 1-D gains to AdamW; `Optimizers` holds the two, and the loop sets
+  their lr, steps and zeroes them as one.
 - `lr_multiplier` is the warmup-stable-decay (WSD) schedule (Hu et al. 2024, MiniCPM,
   arXiv 2404.06395) as a pure function of the step; `check_schedule` refuses layouts that
-  would stop a run in the middle of its decay.
+  would stop a run in the middle of its decay; `wsd_phases` lays the schedule out.
 
 This file imports nothing else from stacklm: it takes a model and a config object.
 """
@@ -54,6 +55,13 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, dtype=torch.float32) -> torch
     return (X.mT if tall else X).to(G.dtype)
 
 
+# The step size of each lr_scale rule, relative to the lr, on a (rows x cols) matrix.
+LR_SCALES = {
+    "original": lambda rows, cols: math.sqrt(max(1.0, rows / cols)),
+    "match_rms_adamw": lambda rows, cols: 0.2 * math.sqrt(max(rows, cols)),
+}
+
+
 def lr_scale(rows: int, cols: int, adjust_lr: str) -> float:
     """How much Muon's step on a (rows x cols) matrix is scaled relative to the lr.
 
@@ -63,16 +71,148 @@ def lr_scale(rows: int, cols: int, adjust_lr: str) -> float:
       map from RMS-sized inputs to RMS-sized outputs equal 1 for tall matrices as well.
     - "match_rms_adamw" (Moonlight, arXiv 2502.16982, Sec. 2.2): 0.2·sqrt(max(A, B)), which
       gives every matrix an update RMS of 0.2, the typical RMS of an AdamW update.
+    Any other name is a KeyError (config.py lists the valid ones for a run).
     """
-    if adjust_lr == "original":
-        return math.sqrt(max(1.0, rows / cols))
-    return 0.2 * math.sqrt(max(rows, cols))
+    return LR_SCALES[adjust_lr](rows, cols)
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     """The rows this rank holds: a DTensor's local shard (a view: in-place ops write through
-    under no_grad), or the tensor itself."""
+    under no_grad), or a plain tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Muon(torch.optim.Optimizer):
+    """MomentUm Orthogonalized by Newton–Schulz (Jordan et al. 2024), for 2-D weights only.
+
+    Per matrix W with gradient G, momentum μ and learning rate lr:
+        M ← μ·M + (1 − μ)·G                      momentum as an EMA (as torch.optim.Muon)
+        U ← (1 − μ)·G + μ·M  (Nesterov) or M     look ahead along the momentum
+        O ← NewtonSchulz(U)                      ≈ the nearest semi-orthogonal matrix
+        W ← W·(1 − lr·weight_decay)              decoupled decay with the unadjusted lr
+        W ← W − lr·lr_scale(A, B)·O              shape-dependent step size
+
+    Orthogonalising equalises the update's singular values, so directions the gradient
+    barely touches still move. Weight decay comes from Moonlight (arXiv 2502.16982), which
+    found Muon's weights and outputs otherwise grow too large over a long run.
+
+    adjust_lr defaults to "match_rms_adamw": every matrix's update then has RMS 0.2·lr, the
+    scale of an AdamW update, so the two optimizers' learning rates and weight decays are on
+    one scale. That makes the two lrs comparable, not equal: TrainConfig.muon_peak_lr=6e-3
+    is a starting point that no run here has tuned. "original" is Jordan et al.'s
+    sqrt(max(1, A/B)); see `lr_scale`.
+
+    ns_dtype is the Newton–Schulz precision; None picks bf16 on GPUs (as Jordan et al.:
+    the iteration tolerates it and tensor cores make it fast) and float32 elsewhere (CPUs
+    without bf16 units run bf16 matmuls several times slower than float32).
+
+    Same-shape matrices are bucketed once, when the optimizer is built; a GPU orthogonalises
+    each bucket as one batched Newton–Schulz. Under FSDP2 (Shard(0) DTensor parameters)
+    each matrix is instead orthogonalised whole by one owner rank (see "Muon under FSDP2"
+    below). Gradients arrive already averaged by the wrapper (DDP/FSDP): Muon never
+    reduces them again.
+    """
+
+    def __init__(self, params, lr: float, momentum: float = 0.95, nesterov: bool = True,
+                 ns_steps: int = 5, weight_decay: float = 0.1,
+                 adjust_lr: str = "match_rms_adamw", ns_dtype: torch.dtype | None = None):
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                        weight_decay=weight_decay, adjust_lr=adjust_lr)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim != 2:
+                    raise ValueError(f"Muon takes 2-D matrices only, got shape {tuple(p.shape)}; "
+                                     f"give embeddings and 1-D gains to AdamW")
+        self.ns_dtype = ns_dtype
+        # (group index, positions in group["params"]) per shape (Stack-100M's 210 matrices
+        # have 4). Positions, not tensors: accelerate.prepare swaps FSDP2's DTensors into
+        # group["params"], and load_state_dict replaces the group dicts.
+        self.shape_buckets = [
+            (g, [i for i, p in enumerate(group["params"]) if p.shape == shape])
+            for g, group in enumerate(self.param_groups)
+            for shape in sorted({p.shape for p in group["params"]})]
+        self.owners = None  # matrix -> owner rank under FSDP2, assigned at the first step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        row_sharded = []  # FSDP2's matrices, orthogonalised all at once after the loop
+        for g, positions in self.shape_buckets:
+            group = self.param_groups[g]
+            bucket = [group["params"][i] for i in positions if group["params"][i].grad is not None]
+            row_sharded += [(p, group) for p in bucket if is_row_sharded(p)]
+            whole = [p for p in bucket if not is_row_sharded(p)]
+            updates = [self._momentum_update(p, group) for p in whole]
+            for p, update in zip(whole, self._orthogonalize_bucket(updates, group), strict=True):
+                self._decay_and_step(p, group, update)
+        if row_sharded:
+            self._step_row_sharded(row_sharded)
+        return loss
+
+    def _momentum_update(self, p, group) -> torch.Tensor:
+        """Advance the momentum buffer; return this rank's rows of the update to orthogonalise."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            # zeros_like keeps p's DTensor placements, so under FSDP2 the buffer is sharded too
+            state["momentum_buffer"] = torch.zeros_like(p)
+        buf, grad = local_shard(state["momentum_buffer"]), local_shard(p.grad)
+        buf.lerp_(grad, 1 - group["momentum"])
+        return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+
+    def _orthogonalize_bucket(self, updates, group) -> list[torch.Tensor]:
+        """Newton–Schulz of same-shape updates. GPUs: one batched run, as kernel launches
+        dominate small matmuls. CPUs: matrix by matrix, as batching buys nothing there (on
+        one core, stacks of 8 tiny-preset or Stack-100M matrices ran 5–45% slower than a
+        loop), and each matrix's bits then do not depend on which others share its shape."""
+        if updates and updates[0].is_cuda:
+            return list(self._orthogonalize(torch.stack(updates), group))
+        return [self._orthogonalize(update, group) for update in updates]
+
+    def _orthogonalize(self, update, group) -> torch.Tensor:
+        dtype = self.ns_dtype or (torch.bfloat16 if update.is_cuda else torch.float32)
+        return newton_schulz(update, group["ns_steps"], dtype)
+
+    @staticmethod
+    def _decay_and_step(p, group, update):
+        rows, cols = p.shape  # the global shape, also for a DTensor
+        lr = group["lr"]
+        weights = local_shard(p)
+        weights.mul_(1 - lr * group["weight_decay"])
+        weights.add_(update, alpha=-lr * lr_scale(rows, cols, group["adjust_lr"]))
+
+    # FSDP2: the same update, but Newton–Schulz sees each matrix whole, on its owner rank.
+
+    def _step_row_sharded(self, matrices):
+        """matrices: (param, group) for every row-sharded matrix with a gradient. Momentum,
+        decay and step work on this rank's rows; Newton–Schulz on the owner's whole matrix."""
+        if self.owners is None:  # at the first step, after accelerate.prepare swapped params
+            self.owners = assign_owners([p for group in self.param_groups
+                                         for p in group["params"] if is_row_sharded(p)])
+        updates = [self._momentum_update(p, group) for p, group in matrices]
+        orthogonalized = self._orthogonalize_row_sharded(matrices, updates)
+        for (p, group), update in zip(matrices, orthogonalized, strict=True):
+            self._decay_and_step(p, group, update)
+
+    def _orthogonalize_row_sharded(self, matrices, updates) -> list[torch.Tensor]:
+        """This rank's rows of each orthogonalised update (tests/dist_muon.py overrides it
+        with the mistake the parity test must catch: orthogonalising the rows alone)."""
+        return orthogonalize_on_owners(matrices, updates, self.owners, self._orthogonalize)
+
+
+# ---------------------------------------------------------------------------------------
+# Muon under FSDP2: the owner computes
+# ---------------------------------------------------------------------------------------
+# FSDP2 splits each matrix by rows over the ranks (Shard(0)). Newton–Schulz of the local
+# rows alone is a different, wrong update (tests/dist_muon.py: its weights end tens of
+# percent off), and Newton–Schulz on the DTensor is right but runs collectives inside every
+# iteration, on every rank (torch.optim.Muon does that: correct, slow). So each matrix
+# gets an owner rank: the others send it their rows, it orthogonalises the whole matrix,
+# and sends each rank its rows back. Momentum stays shard-local as a Shard(0) DTensor, so
+# a distributed checkpoint can reload it on another number of ranks.
 
 
 def is_row_sharded(p: torch.Tensor) -> bool:
@@ -115,150 +255,57 @@ def assign_owners(params: list[DTensor]) -> dict[DTensor, int]:
     return owners
 
 
-class Muon(torch.optim.Optimizer):
-    """MomentUm Orthogonalized by Newton–Schulz (Jordan et al. 2024), for 2-D weights only.
+def orthogonalize_on_owners(matrices, local_rows, owners, orthogonalize) -> list[torch.Tensor]:
+    """Owner-computes Newton–Schulz of row-sharded updates; every rank calls it alike.
 
-    Per matrix W with gradient G, momentum μ and learning rate lr:
-        M ← μ·M + (1 − μ)·G                      momentum as an EMA (as torch.optim.Muon)
-        U ← (1 − μ)·G + μ·M  (Nesterov) or M     look ahead along the momentum
-        O ← NewtonSchulz(U)                      ≈ the nearest semi-orthogonal matrix
-        W ← W·(1 − lr·weight_decay)              decoupled decay with the unadjusted lr
-        W ← W − lr·lr_scale(A, B)·O              shape-dependent step size
-
-    Orthogonalising equalises the update's singular values, so directions the gradient
-    barely touches still move. Weight decay comes from Moonlight (arXiv 2502.16982), which
-    found Muon's weights and outputs otherwise grow too large over a long run.
-
-    adjust_lr defaults to "match_rms_adamw": every matrix's update then has AdamW's RMS, so
-    the two optimizers' learning rates and weight decays mean the same thing and can be
-    reasoned about on one scale (TrainConfig.muon_peak_lr=6e-3 is tuned for it).
-    "original" is Jordan et al.'s sqrt(max(1, A/B)); see `lr_scale`.
-
-    ns_dtype is the Newton–Schulz precision; None picks bf16 on GPUs (as Jordan et al.:
-    the iteration tolerates it and tensor cores make it fast) and float32 elsewhere (CPUs
-    without bf16 units run bf16 matmuls several times slower than float32).
-
-    Under FSDP2 (Shard(0) DTensor parameters) each matrix is orthogonalised whole by one
-    owner rank; the momentum buffer stays a sharded DTensor so a distributed checkpoint can
-    reload it on a different number of ranks. Gradients arrive already averaged by the
-    wrapper (DDP/FSDP): Muon never reduces them again.
+    matrices: (param, group) pairs; local_rows: this rank's rows of each update; owners:
+    param -> owner rank (`assign_owners`); orthogonalize(update, group) runs Newton–Schulz.
+    1. every rank sends its rows of each matrix to the matrix's owner (padded to
+       ceil(rows/world) so that all pieces have one shape);
+    2. each rank runs Newton–Schulz on the matrices it owns, all ranks in parallel;
+    3. each owner sends every rank its rows of the result.
+    Returns this rank's rows of each orthogonalised update, in `matrices` order.
     """
+    wholes = [gather_to_owner(p, rows, owners[p])
+              for (p, _), rows in zip(matrices, local_rows, strict=True)]
+    results = [None if whole is None else orthogonalize(whole, group)
+               for (_, group), whole in zip(matrices, wholes, strict=True)]
+    return [scatter_from_owner(p, rows, result, owners[p])
+            for (p, _), rows, result in zip(matrices, local_rows, results, strict=True)]
 
-    def __init__(self, params, lr: float, momentum: float = 0.95, nesterov: bool = True,
-                 ns_steps: int = 5, weight_decay: float = 0.1,
-                 adjust_lr: str = "match_rms_adamw", ns_dtype: torch.dtype | None = None):
-        if adjust_lr not in ("match_rms_adamw", "original"):
-            raise ValueError(f"adjust_lr={adjust_lr!r} is not 'match_rms_adamw' or 'original'")
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                        weight_decay=weight_decay, adjust_lr=adjust_lr)
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.ndim != 2:
-                    raise ValueError(f"Muon takes 2-D matrices only, got shape {tuple(p.shape)}; "
-                                     f"give embeddings and 1-D gains to AdamW")
-        self.ns_dtype = ns_dtype
-        self.owners = None  # matrix -> owner rank under FSDP2, assigned at the first step
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        sharded, whole = [], {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                update = self._momentum_update(p, group)
-                if is_row_sharded(p):
-                    sharded.append((p, group, update))
-                else:
-                    # GPUs: one batched Newton–Schulz per shape (Stack-100M's 210 matrices
-                    # have 4), as launches dominate small matmuls; CPUs: one matrix at a
-                    # time, as their batched matmul is slower than a loop of plain ones.
-                    key = (p.shape, id(group)) if p.is_cuda else (id(p),)
-                    whole.setdefault(key, []).append((p, group, update))
-        for items in whole.values():
-            group = items[0][1]
-            stacked = self._orthogonalize(torch.stack([u for _, _, u in items]), group)
-            for (p, _, _), update in zip(items, stacked):
-                self._apply(p, group, update)
-        # FSDP2: all sharded matrices at once, so that the owners orthogonalise in parallel
-        for (p, group, _), update in zip(sharded, self._orthogonalize_sharded(sharded)):
-            self._apply(p, group, update)
-        return loss
+def gather_to_owner(p: DTensor, rows: torch.Tensor, owner: int) -> torch.Tensor | None:
+    """The whole matrix of which `rows` is this rank's part, on the owner rank; None elsewhere."""
+    mesh = p.device_mesh
+    counts = row_counts(p.shape[0], mesh.size())
+    is_owner = mesh.get_local_rank() == owner
+    padded = pad_rows(rows, counts[0])
+    pieces = [torch.empty_like(padded) for _ in counts] if is_owner else None
+    dist.gather(padded, pieces, group=mesh.get_group(), group_dst=owner)
+    if not is_owner:
+        return None
+    return torch.cat([piece[:n] for piece, n in zip(pieces, counts, strict=True)])
 
-    def _momentum_update(self, p, group) -> torch.Tensor:
-        """Advance the momentum buffer; return this rank's rows of the update to orthogonalise."""
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            # zeros_like keeps p's DTensor placements, so under FSDP2 the buffer is sharded too
-            state["momentum_buffer"] = torch.zeros_like(p)
-        buf, grad = local(state["momentum_buffer"]), local(p.grad)
-        buf.lerp_(grad, 1 - group["momentum"])
-        return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
 
-    def _orthogonalize(self, update, group) -> torch.Tensor:
-        dtype = self.ns_dtype or (torch.bfloat16 if update.is_cuda else torch.float32)
-        return newton_schulz(update, group["ns_steps"], dtype)
-
-    def _orthogonalize_sharded(self, items) -> list[torch.Tensor]:
-        """Owner-computes: orthogonalise each row-sharded matrix whole, on one rank.
-
-        1. every rank sends its rows of each matrix to the matrix's owner (padded to
-           ceil(rows/world) so that all pieces have one shape);
-        2. each rank runs Newton–Schulz on the matrices it owns, all ranks in parallel;
-        3. each owner sends every rank its rows of the result.
-        Returns this rank's rows of each orthogonalised update, in `items` order.
-        """
-        if self.owners is None:
-            self.owners = assign_owners([p for g in self.param_groups for p in g["params"]
-                                         if is_row_sharded(p)])
-        owned = [self._gather_to_owner(p, rows) for p, _, rows in items]  # None if not ours
-        for i, (_, group, _) in enumerate(items):
-            if owned[i] is not None:
-                owned[i] = self._orthogonalize(owned[i], group)
-        return [self._scatter_from_owner(p, rows, full) for (p, _, rows), full in zip(items, owned)]
-
-    def _gather_to_owner(self, p, rows):
-        """The whole matrix on p's owner rank; None elsewhere."""
-        mesh, owner = p.device_mesh, self.owners[p]
-        counts = row_counts(p.shape[0], mesh.size())
-        is_owner = mesh.get_local_rank() == owner
-        padded = pad_rows(rows, counts[0])
-        pieces = [torch.empty_like(padded) for _ in counts] if is_owner else None
-        dist.gather(padded, pieces, group=mesh.get_group(), group_dst=owner)
-        return torch.cat([piece[:n] for piece, n in zip(pieces, counts)]) if is_owner else None
-
-    def _scatter_from_owner(self, p, rows, full):
-        """This rank's rows of the owner's orthogonalised matrix `full` (None off the owner)."""
-        mesh, owner = p.device_mesh, self.owners[p]
-        counts = row_counts(p.shape[0], mesh.size())
-        pieces = None
-        if full is not None:
-            pieces = [pad_rows(piece, counts[0]) for piece in full.split(counts)]
-        received = rows.new_empty(counts[0], p.shape[1])
-        dist.scatter(received, pieces, group=mesh.get_group(), group_src=owner)
-        return received[:rows.shape[0]]
-
-    @staticmethod
-    def _apply(p, group, update):
-        rows, cols = p.shape  # the global shape, also for a DTensor
-        lr = group["lr"]
-        weights = local(p)
-        weights.mul_(1 - lr * group["weight_decay"])
-        weights.add_(update, alpha=-lr * lr_scale(rows, cols, group["adjust_lr"]))
+def scatter_from_owner(p: DTensor, rows: torch.Tensor, whole: torch.Tensor | None,
+                       owner: int) -> torch.Tensor:
+    """This rank's rows (shaped like `rows`) of the owner's matrix `whole` (None elsewhere)."""
+    mesh = p.device_mesh
+    counts = row_counts(p.shape[0], mesh.size())
+    pieces = None
+    if whole is not None:
+        pieces = [pad_rows(piece, counts[0]) for piece in whole.split(counts)]
+    received = rows.new_empty(counts[0], p.shape[1])
+    dist.scatter(received, pieces, group=mesh.get_group(), group_src=owner)
+    return received[:rows.shape[0]]
 
 
 # ---------------------------------------------------------------------------------------
 # Parameter routing
 # ---------------------------------------------------------------------------------------
 
-def build_optimizers(model: torch.nn.Module, cfg) -> tuple[torch.optim.Optimizer,
-                                                          torch.optim.AdamW]:
-    """Muon for the hidden matrices, AdamW for the rest, both starting at their peak lr.
+def build_optimizers(model: torch.nn.Module, cfg) -> "Optimizers":
+    """Muon for the hidden matrices, AdamW for the rest, every group starting at its peak lr.
 
     - Muon: every 2-D parameter except the embedding, i.e. the attention and MLP
       projections. Muon is designed for hidden layers that map vectors to vectors; the
@@ -269,9 +316,10 @@ def build_optimizers(model: torch.nn.Module, cfg) -> tuple[torch.optim.Optimizer
     - AdamW "gains": the 1-D RMSNorm and QK-norm weights, without weight decay: decay would
       pull each gain towards 0, i.e. shrink the normalised activations it exists to rescale.
 
-    With cfg.matrix_optimizer="adamw" the matrices go to an AdamW at adamw_peak_lr instead
-    of Muon (the all-AdamW baseline of bench/recipe.py). Every group records its `peak_lr`;
-    the loop sets group["lr"] = group["peak_lr"] * lr_multiplier(step, cfg) each step.
+    Returns Optimizers({"muon": Muon, "adamw": AdamW}). With cfg.matrix_optimizer="adamw"
+    the matrices go to a second AdamW at adamw_peak_lr instead (the all-AdamW baseline of
+    bench/recipe.py): Optimizers({"adamw_matrices": AdamW, "adamw": AdamW}). Every group
+    records its `peak_lr`; `Optimizers.set_lr` scales it by the schedule each step.
     """
     embedding = model.embed.weight
     matrices, tables, gains = [], [], []
@@ -283,41 +331,76 @@ def build_optimizers(model: torch.nn.Module, cfg) -> tuple[torch.optim.Optimizer
         else:
             (tables if p.ndim >= 2 else gains).append(p)
     if cfg.matrix_optimizer == "muon":
-        matrix_opt = Muon([dict(params=matrices, name="matrices", peak_lr=cfg.muon_peak_lr)],
-                          lr=cfg.muon_peak_lr, momentum=cfg.muon_momentum,
-                          weight_decay=cfg.weight_decay, adjust_lr=cfg.muon_adjust_lr)
+        name = "muon"
+        matrix_optimizer = Muon(
+            [dict(params=matrices, name="matrices", peak_lr=cfg.muon_peak_lr)],
+            lr=cfg.muon_peak_lr, momentum=cfg.muon_momentum, weight_decay=cfg.weight_decay,
+            adjust_lr=cfg.muon_adjust_lr)
     else:
-        matrix_opt = torch.optim.AdamW(
+        name = "adamw_matrices"
+        matrix_optimizer = torch.optim.AdamW(
             [dict(params=matrices, name="matrices", peak_lr=cfg.adamw_peak_lr)],
             lr=cfg.adamw_peak_lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     adamw_groups = [dict(params=tables, name="embedding", weight_decay=cfg.weight_decay),
                     dict(params=gains, name="gains", weight_decay=0.0)]
     adamw = torch.optim.AdamW([dict(g, peak_lr=cfg.adamw_peak_lr) for g in adamw_groups
                                if g["params"]], lr=cfg.adamw_peak_lr, betas=cfg.betas)
-    return matrix_opt, adamw
+    return Optimizers({name: matrix_optimizer, "adamw": adamw})
 
 
-def optimizer_summary(muon: Muon, adamw: torch.optim.AdamW) -> str:
-    """One line, e.g. `muon matrices: 210 tensors 84,541,440 params wd 0.1 | adamw ...`."""
-    parts = []
-    for optimizer in (muon, adamw):
-        label = type(optimizer).__name__.lower()
-        for group in optimizer.param_groups:
-            numel = sum(p.numel() for p in group["params"])
-            parts.append(f"{label} {group.get('name', 'group')}: {len(group['params'])} tensors "
-                         f"{numel:,} params wd {group['weight_decay']:g}")
-    return " | ".join(parts)
+class Optimizers:
+    """The matrix optimizer and the AdamW for the rest, stepped as one.
+
+    `named` maps a name to each optimizer, in the order of logs and the banner. Only the
+    public Optimizer API is used (param_groups, step, zero_grad), so the optimizers that
+    accelerate.prepare returns can stand in for the originals:
+    Optimizers(dict(zip(names, prepared, strict=True))).
+    """
+
+    def __init__(self, named: dict[str, torch.optim.Optimizer]):
+        self.named = named
+
+    def set_lr(self, multiplier: float):
+        """Every group's lr to its peak_lr × multiplier (the schedule's `lr_multiplier`)."""
+        for optimizer in self.named.values():
+            for group in optimizer.param_groups:
+                group["lr"] = group["peak_lr"] * multiplier
+
+    def step(self):
+        for optimizer in self.named.values():
+            optimizer.step()
+
+    def zero_grad(self):
+        for optimizer in self.named.values():
+            optimizer.zero_grad(set_to_none=True)
+
+    def lrs(self) -> dict[str, float]:
+        """name -> the current lr of the optimizer's first group."""
+        return {name: optimizer.param_groups[0]["lr"] for name, optimizer in self.named.items()}
+
+    def summary(self) -> str:
+        """One line, e.g. `muon matrices: 210 tensors 84,541,440 params wd 0.1 | adamw ...`:
+        each group labelled by its optimizer's class. Call it before accelerate.prepare,
+        whose wrapper class would become the label."""
+        parts = []
+        for optimizer in self.named.values():
+            label = type(optimizer).__name__.lower()
+            for group in optimizer.param_groups:
+                numel = sum(p.numel() for p in group["params"])
+                parts.append(f"{label} {group.get('name', 'group')}: {len(group['params'])} "
+                             f"tensors {numel:,} params wd {group['weight_decay']:g}")
+        return " | ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------
 # Warmup-stable-decay schedule (arXiv 2404.06395)
 # ---------------------------------------------------------------------------------------
 
-class Split(NamedTuple):
-    """The schedule laid out over total_steps, in optimizer steps."""
-    warmup: int
-    stable: int
-    decay: int
+class WSDPhases(NamedTuple):
+    """The warmup-stable-decay layout over total_steps; every field counts optimizer steps."""
+    warmup_steps: int
+    stable_steps: int
+    decay_steps: int
     decay_start: int  # the first step of the decay leg
 
 
@@ -331,18 +414,26 @@ DECAY_SHAPES = {
 }
 
 
-def schedule_split(cfg) -> Split:
+def wsd_phases(cfg) -> WSDPhases:
     """Resolve the defaults: decay_steps = round(decay_fraction·total_steps) and
     decay_start = total_steps − decay_steps unless set."""
-    decay = cfg.decay_steps
-    if decay is None:
-        decay = round(cfg.decay_fraction * cfg.total_steps)
-    start = cfg.total_steps - decay if cfg.decay_start is None else cfg.decay_start
-    return Split(cfg.warmup_steps, start - cfg.warmup_steps, decay, start)
+    decay_steps = cfg.decay_steps
+    if decay_steps is None:
+        decay_steps = round(cfg.decay_fraction * cfg.total_steps)
+    start = cfg.total_steps - decay_steps if cfg.decay_start is None else cfg.decay_start
+    return WSDPhases(cfg.warmup_steps, start - cfg.warmup_steps, decay_steps, start)
 
 
-def format_split(split: Split) -> str:
-    return f"{split.warmup:,} warmup / {split.stable:,} stable / {split.decay:,} decay"
+def format_phases(phases: WSDPhases) -> str:
+    return (f"{phases.warmup_steps:,} warmup / {phases.stable_steps:,} stable / "
+            f"{phases.decay_steps:,} decay")
+
+
+def schedule_summary(cfg) -> str:
+    """E.g. `2,000 warmup / 32,332 stable / 3,815 decay (decay starts at step 34,332, sqrt)`."""
+    phases = wsd_phases(cfg)
+    return (f"{format_phases(phases)} (decay starts at step {phases.decay_start:,}, "
+            f"{cfg.decay_shape})")
 
 
 def lr_multiplier(step: int, cfg) -> float:
@@ -354,42 +445,43 @@ def lr_multiplier(step: int, cfg) -> float:
     - decay: progress p = (step − decay_start)/decay_steps, so the leg's D steps use
       p = 0, 1/D, ..., (D−1)/D, and final_frac is reached at step decay_start + D, after it.
     """
-    split = schedule_split(cfg)
-    if step < split.warmup:
-        return (step + 1) / split.warmup
-    if step < split.decay_start:
+    phases = wsd_phases(cfg)
+    if step < phases.warmup_steps:
+        return (step + 1) / phases.warmup_steps
+    if step < phases.decay_start:
         return 1.0
-    progress = min(1.0, (step - split.decay_start) / max(split.decay, 1))  # decay 0: no leg
+    # decay_steps 0: no leg, the multiplier drops straight to final_frac
+    progress = min(1.0, (step - phases.decay_start) / max(phases.decay_steps, 1))
     return cfg.final_frac + (1.0 - cfg.final_frac) * DECAY_SHAPES[cfg.decay_shape](progress)
 
 
-def check_schedule(cfg) -> Split:
+def check_schedule(cfg) -> WSDPhases:
     """Refuse a schedule that cannot be laid out, or that would stop a run mid-decay.
 
     The trap: stopping a long run early (stop_at_step < total_steps) to continue it later,
     while the derived decay leg starts before the stop. The checkpoint it leaves is already
     partly annealed, and re-warming a decayed checkpoint costs much of what decaying bought.
-    Returns the split, for the trainer to print.
+    Returns the phases, for the trainer to print.
     """
-    split = schedule_split(cfg)
-    layout = f"{format_split(split)} over total_steps={cfg.total_steps:,}"
-    if split.decay < 0:
-        raise ValueError(f"decay_steps={split.decay} must be >= 0")
-    if split.warmup + split.decay > cfg.total_steps:
-        raise ValueError(f"warmup_steps + decay_steps = {split.warmup:,} + {split.decay:,} exceed "
+    phases = wsd_phases(cfg)
+    warmup, decay, start = phases.warmup_steps, phases.decay_steps, phases.decay_start
+    layout = f"{format_phases(phases)} over total_steps={cfg.total_steps:,}"
+    if decay < 0:
+        raise ValueError(f"decay_steps={decay} must be >= 0")
+    if warmup + decay > cfg.total_steps:
+        raise ValueError(f"warmup_steps + decay_steps = {warmup:,} + {decay:,} exceed "
                          f"total_steps={cfg.total_steps:,} ({layout}); shorten warmup_steps or "
                          f"the decay leg (decay_fraction, decay_steps), or raise total_steps")
-    if split.stable < 0 or split.decay_start + split.decay > cfg.total_steps:
-        raise ValueError(f"decay_start={split.decay_start:,} does not fit between the end of "
-                         f"warmup and total_steps ({layout}); use a decay_start between "
-                         f"{split.warmup:,} and {cfg.total_steps - split.decay:,}")
-    stops_mid_decay = cfg.stop_at_step < cfg.total_steps and split.decay_start < cfg.stop_at_step
+    if phases.stable_steps < 0 or start + decay > cfg.total_steps:
+        raise ValueError(f"decay_start={start:,} does not fit between the end of warmup and "
+                         f"total_steps ({layout}); use a decay_start between {warmup:,} and "
+                         f"{cfg.total_steps - decay:,}")
+    stops_mid_decay = cfg.stop_at_step < cfg.total_steps and start < cfg.stop_at_step
     if cfg.decay_start is None and stops_mid_decay:
         raise ValueError(
             f"stop_at_step={cfg.stop_at_step:,} is inside the decay leg (from step "
-            f"{split.decay_start:,}; {layout}): the run would stop mid-decay, leaving an "
-            f"annealed checkpoint that is costly to re-warm; set decay_start="
-            f"{split.decay_start:,} explicitly if intended, or stop_at_step="
-            f"{split.decay_start:,} to stop at the end of the stable phase, or total_steps="
-            f"{cfg.stop_at_step:,} to fit the whole schedule into this run")
-    return split
+            f"{start:,}; {layout}): the run would stop mid-decay, leaving an annealed "
+            f"checkpoint that is costly to re-warm; set decay_start={start:,} explicitly if "
+            f"intended, or stop_at_step={start:,} to stop at the end of the stable phase, or "
+            f"total_steps={cfg.stop_at_step:,} to fit the whole schedule into this run")
+    return phases

@@ -4,7 +4,7 @@
         --temperature 0.8 --top_k 50 --num_samples 2 --seed 1337
 
 The export directory (written by `python train.py --export`) holds model.pt (a
-Stack100M state_dict), config.json (the StackConfig) and tokenizer.json.
+Transformer state_dict), config.json (the StackConfig) and tokenizer.json.
 """
 
 import argparse
@@ -16,14 +16,14 @@ from tokenizers import Tokenizer
 
 from config import StackConfig
 from data import EOS_TOKEN
-from model import Stack100M
+from model import Transformer
 
 
-def load_export(export_dir: str, device: str = "cpu") -> tuple[Stack100M, Tokenizer]:
+def load_export(export_dir: str, device: str = "cpu") -> tuple[Transformer, Tokenizer]:
     """The exported model, in eval mode on `device`, and its tokenizer."""
     with open(os.path.join(export_dir, "config.json")) as f:
         cfg = StackConfig(**json.load(f))
-    model = Stack100M(cfg)
+    model = Transformer(cfg)
     # weights_only: a checkpoint is data; unpickling arbitrary objects would run code.
     state = torch.load(os.path.join(export_dir, "model.pt"), map_location=device,
                        weights_only=True)

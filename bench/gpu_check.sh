@@ -15,7 +15,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
 python -m pytest -q -m cuda tests/ 2>&1 | tee "$out/cuda_tests.log"
-[ -f data/stdlib-32k/manifest.json ] || python data.py | tail -n 3
+[ -f data/stdlib-32k/manifest.json ] || python prepare.py | tail -n 3
 
 # Stack-100M for $steps steps. stop_at_step < the decay start, so the schedule is the
 # reference one; evaluation and checkpoints are pushed past the end of this check.

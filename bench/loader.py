@@ -18,13 +18,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 import data  # noqa: E402
+import prepare  # noqa: E402
 
 B, T = 32, 2048
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data_dir", default=data.builtin_data_dir(32768),
+    parser.add_argument("--data_dir", default=prepare.builtin_data_dir(32768),
                         help="prepared directory (the built-in corpus is made if missing)")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes over one epoch")
     args = parser.parse_args()
@@ -33,7 +34,7 @@ def main():
     prepare_s = None
     if not (Path(args.data_dir) / "manifest.json").exists():
         start = time.perf_counter()
-        data.prepare(out_dir=args.data_dir, vocab_size=32768)
+        prepare.prepare(out_dir=args.data_dir, vocab_size=32768)
         prepare_s = round(time.perf_counter() - start, 1)
 
     loader = data.PackedShardLoader(args.data_dir, "train", T, B)

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import TrainConfig  # noqa: E402
-from model import Stack100M  # noqa: E402
+from model import Transformer  # noqa: E402
 from optim import build_optimizers  # noqa: E402
 
 
@@ -41,8 +41,8 @@ def main():
     args = parser.parse_args()
     cfg = TrainConfig()
     torch.manual_seed(0)
-    model = Stack100M(cfg.model)
-    muon, _ = build_optimizers(model, cfg)
+    model = Transformer(cfg.model)
+    muon = build_optimizers(model, cfg).named["muon"]
     matrices = muon.param_groups[0]["params"]
     for p in matrices:
         p.grad = torch.randn_like(p) * 1e-3

@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
 import optim  # noqa: E402
 import train  # noqa: E402
-from model import Stack100M  # noqa: E402
+from model import Transformer  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -284,7 +284,7 @@ def summarize(results: dict, longer: tuple[str, list[dict]]) -> dict:
     arms["muon_wsd"]["adamw_peak_lr"] = best["muon_wsd"]["cfg"].adamw_peak_lr
     loads = [e["run"][k] for e in [*sum(results.values(), []), *longer[1][1:]]
              for k in ("load_before", "load_after")]
-    n_params = sum(p.numel() for p in Stack100M(cfg.model).parameters())
+    n_params = sum(p.numel() for p in Transformer(cfg.model).parameters())
     return {
         "bench": "recipe", "preset": "tiny", "params": n_params, "steps": cfg.stop_at_step,
         "tokens_per_step": cfg.global_batch_tokens, "token_budget": budget,

@@ -41,8 +41,9 @@ def loop_tokens_per_s(cfg, warmup: int) -> float:
 def bare_tokens_per_s(cfg, steps: int, warmup: int) -> float:
     accelerator = train.make_accelerator(cfg)
     model = train.build_model(cfg, train.use_compile(cfg))
-    muon, adamw = optim.build_optimizers(model, cfg)
-    model, muon, adamw = accelerator.prepare(model, muon, adamw)
+    optimizers = optim.build_optimizers(model, cfg)
+    model, *prepared = accelerator.prepare(model, *optimizers.named.values())
+    optimizers = optim.Optimizers(dict(zip(optimizers.named, prepared, strict=True)))
     loader = data.PackedShardLoader(cfg.data_dir, "train", cfg.seq_len, cfg.micro_batch_size)
     batch = {k: v.to(accelerator.device) for k, v in next(loader).items()}
     accum = cfg.grad_accum_steps(1)
@@ -53,13 +54,11 @@ def bare_tokens_per_s(cfg, steps: int, warmup: int) -> float:
             start = time.perf_counter()
         for _ in range(accum):
             with accelerator.accumulate(model):
-                _, loss = model(**batch, reduction="sum")
+                loss = model(**batch, reduction="sum").loss
                 accelerator.backward(loss / cfg.global_batch_tokens)
         accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        muon.step()
-        adamw.step()
-        muon.zero_grad(set_to_none=True)
-        adamw.zero_grad(set_to_none=True)
+        optimizers.step()
+        optimizers.zero_grad()
         float(loss)  # the loop reads its loss every step too
     return steps * cfg.global_batch_tokens / (time.perf_counter() - start)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import config
-import data
+import prepare
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +19,7 @@ def small_data_dir(tmp_path_factory) -> str:
         for path in sorted((stdlib / package).glob("*.py")):
             shutil.copy(path, root / f"{package}_{path.stem}.txt")
     out = tmp_path_factory.mktemp("data") / "small"
-    data.prepare(source=str(root), out_dir=str(out), vocab_size=512, val_fraction=0.1)
+    prepare.prepare(source=str(root), out_dir=str(out), vocab_size=512, val_fraction=0.1)
     return str(out)
 
 

@@ -8,7 +8,7 @@ ACTION
          unsharded, uncheckpointed copy that sees the whole global batch in one process;
          rank 0 writes the largest weight and loss differences to OUT/train.json.
   save   trains the sharded model 3 steps, writes a sharded checkpoint to OUT/ckpt with
-         train.py's own writer, and rank 0 writes the full weights and optimizer state to
+         checkpoint.py's own writer, and rank 0 writes the full weights and optimizer state to
          OUT/reference.pt.
   load   builds a fresh sharded model on this number of ranks, loads OUT/ckpt, and rank 0
          writes whether the full weights and optimizer state equal OUT/reference.pt to
@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import checkpoint  # noqa: E402
 import data  # noqa: E402
 import optim  # noqa: E402
 import train  # noqa: E402
@@ -42,7 +43,7 @@ def make(cfg, sharded: bool):
     model = train.build_model(cfg, compile_model=False)
     if sharded:
         model = train.shard_model(model, torch.device("cpu"), bf16=False)
-    return (model, *optim.build_optimizers(model, cfg))
+    return (model, *optim.build_optimizers(model, cfg).named.values())
 
 
 def train_steps(cfg, model, muon, adamw, loader, group=None):
@@ -58,7 +59,7 @@ def train_steps(cfg, model, muon, adamw, loader, group=None):
         n_tokens = torch.tensor(float((batch["targets"] != -100).sum()))
         if group is not None:
             dist.all_reduce(n_tokens, group=group)
-        _, loss = model(**batch, reduction="sum")
+        loss = model(**batch, reduction="sum").loss
         (loss * world / n_tokens).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         muon.step()
@@ -88,7 +89,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = micro_config(data_dir, str(out), micro_batch_size=2, global_batch_tokens=128 * 6)
     checkpointed = action == "train"  # recompute under FSDP2 must give the same gradients
-    sharded = make(dataclasses.replace(cfg, activation_checkpointing="full") if checkpointed
+    sharded = make(dataclasses.replace(cfg, activation_recompute="full") if checkpointed
                    else cfg, sharded=True)
     if action in ("train", "save"):
         loader = data.PackedShardLoader(data_dir, "train", cfg.seq_len, 2, rank, world)
@@ -106,12 +107,12 @@ def main():
                 "max_weight_diff": max(diffs.values()), "losses": losses,
                 "ref_losses": ref_losses, "n_weights": len(diffs)}))
     elif action == "save":
-        train.write_weights_and_optimizers(sharded[0], list(sharded[1:]), out / "ckpt")
+        checkpoint.write_weights_and_optimizers(sharded[0], list(sharded[1:]), out / "ckpt")
         state = full_state(*sharded)
         if rank == 0:
             torch.save(state, out / "reference.pt")
     else:
-        train.read_weights_and_optimizers(sharded[0], list(sharded[1:]), out / "ckpt")
+        checkpoint.read_weights_and_optimizers(sharded[0], list(sharded[1:]), out / "ckpt")
         state = full_state(*sharded)
         if rank == 0:
             reference = torch.load(out / "reference.pt", weights_only=True)

@@ -39,8 +39,11 @@ def test_indivisible_global_batch_is_refused_with_a_fix():
         cfg.grad_accum_steps(3)
     with pytest.raises(ValueError, match=r"32\*2048\*16=1,048,576; use micro_batch_size=16"):
         cfg.grad_accum_steps(16)
-    with pytest.raises(ValueError, match="is not a multiple of micro_batch_size"):
+    # construction checks one rank, so the fix is the batch alone, not another rank count
+    with pytest.raises(ValueError, match=r"32\*2048\*1=65,536; use global_batch_tokens=524,288$"):
         dataclasses.replace(cfg, global_batch_tokens=500_000)
+    with pytest.raises(ValueError, match=r"32\*2048\*1=65,536; use micro_batch_size=24$"):
+        dataclasses.replace(cfg, global_batch_tokens=48 * 2048)
 
 
 def test_cli_overrides_are_typed_from_the_dataclass():
@@ -95,7 +98,9 @@ def test_model_errors_name_the_field(change, message):
     (dict(micro_batch_size=0), "micro_batch_size=0 must be positive"),
     (dict(decay_shape="exp"), "decay_shape='exp' is not one of"),
     (dict(mixed_precision="fp16"), "mixed_precision='fp16' is not one of"),
-    (dict(activation_checkpointing="half"), "activation_checkpointing='half' is not none"),
+    (dict(activation_recompute="half"), "activation_recompute='half' is not none"),
+    (dict(activation_recompute="every-0"), "activation_recompute='every-0' is not none"),
+    (dict(muon_adjust_lr="raw"), "muon_adjust_lr='raw' is not one of"),
     (dict(final_frac=2.0), r"final_frac=2.0 must be within \[0, 1\]"),
 ])
 def test_run_errors_name_the_field(change, message):
@@ -103,8 +108,11 @@ def test_run_errors_name_the_field(change, message):
         dataclasses.replace(config.stack100m(), **change)
 
 
-def test_activation_checkpointing_modes():
-    assert [config.checkpointing_every(m) for m in ("none", "full", "every-3")] == [0, 1, 3]
+def test_activation_recompute_modes():
+    modes = {"none": 0, "full": 1, "every-1": 1, "every-3": 3, "every-12": 12}
+    for mode, every in modes.items():
+        cfg = dataclasses.replace(config.tiny(), activation_recompute=mode)
+        assert cfg.recompute_every == every
 
 
 def test_overrides_return_a_new_config():
@@ -114,12 +122,21 @@ def test_overrides_return_a_new_config():
     assert (base.seed, base.model.n_layers) == (1337, 4)
 
 
-def test_help_lists_every_knob(capsys):
+def test_help_describes_every_knob(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--help"])
-    out = capsys.readouterr().out
-    for f in dataclasses.fields(TrainConfig):
-        if f.name != "model":
-            assert f"--{f.name}=" in out
-    for f in dataclasses.fields(StackConfig):
-        assert f"--model.{f.name}=" in out
+    lines = capsys.readouterr().out.splitlines()
+    # one line per knob: the flag with its stack100m default, then the description
+    assert "  --warmup_steps=2000               linear warmup length, in optimizer steps" in lines
+    assert any(line.startswith("  --sample_prompt='def '  ") for line in lines)  # pasteable
+    assert any(line.endswith("  linear | sqrt | cosine: shape of the decay leg (sqrt: 1-sqrt, "
+                             "arXiv 2405.18392)") for line in lines)
+    fields = [("", f) for f in dataclasses.fields(TrainConfig) if f.name != "model"]
+    fields += [("model.", f) for f in dataclasses.fields(StackConfig)]
+    for prefix, f in fields:
+        description = f.metadata.get("help", "").strip()
+        assert description, f"{prefix}{f.name} has no description: declare it with config.knob"
+        [line] = [line for line in lines if line.startswith(f"  --{prefix}{f.name}=")]
+        assert line.endswith(description)
+    model_field = {f.name: f for f in dataclasses.fields(TrainConfig)}["model"]
+    assert f"model knobs ({model_field.metadata['help']}):" in lines

@@ -1,21 +1,21 @@
-"""data.py: prepare a tiny corpus in a temp dir, then check the shards and the loader
-against plain-Python recomputations, round trips and invariants."""
+"""data.py: prepare a tiny corpus in a temp dir, then check the loader, the manifest readers
+and verify against plain-Python recomputations, round trips and invariants. The corpus,
+its prepared directory and the plain shard readers here are shared with test_prepare.py."""
 
 import collections
 import hashlib
-import importlib.machinery
 import json
 import random
 import shutil
-import sys
-import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 import data
+import prepare
 from data import EOS_TOKEN, PackedShardLoader
 
 T = 16  # loader tests use short windows so an epoch is a few hundred of them
@@ -52,7 +52,7 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def prepared(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("prepared") / "tiny"
-    data.prepare(str(corpus[0]), str(out), vocab_size=400, shard_tokens=700, val_fraction=0.2)
+    prepare.prepare(str(corpus[0]), str(out), vocab_size=400, shard_tokens=700, val_fraction=0.2)
     return out
 
 
@@ -82,181 +82,6 @@ def copy_of(prepared, tmp_path) -> Path:
 
 def rows(batch) -> list[tuple]:
     return [tuple(r) for r in batch["input_ids"].tolist()]
-
-
-# ---------------------------------------------------------------------------------------
-# prepare: manifest, shards, tokenizer
-# ---------------------------------------------------------------------------------------
-
-def test_shards_decode_back_to_the_source_documents(prepared, corpus):
-    manifest = data.load_manifest(prepared)
-    tokenizer = data.Tokenizer.from_file(data.tokenizer_path(prepared))
-    decoded = {}
-    for split in ("train", "val"):
-        docs = documents_of(stream(prepared, split), manifest["eos_id"])
-        decoded[split] = [tokenizer.decode(d, skip_special_tokens=False) for d in docs]
-        assert manifest["splits"][split]["documents"] == len(docs)
-        assert manifest["splits"][split]["tokens"] == sum(len(d) + 1 for d in docs)
-        assert manifest["splits"][split]["bytes"] == sum(len(t.encode()) for t in decoded[split])
-    expected = corpus[1]
-    assert decoded["train"] and decoded["val"]
-    assert sorted(decoded["train"] + decoded["val"]) == sorted(expected)
-    assert decoded["train"] == [t for t in expected if t in decoded["train"]]  # file order
-    # the literal "<|endoftext|>" in literal.py stayed text: no extra boundary appeared
-    assert any(EOS_TOKEN in t for t in decoded["train"] + decoded["val"])
-
-
-def test_manifest_records_shards_tokenizer_and_skips(prepared):
-    manifest = data.load_manifest(prepared)
-    assert manifest["format_version"] == data.FORMAT_VERSION
-    assert manifest["dtype"] == "uint16" and manifest["vocab_size"] <= 400
-    tokenizer = data.Tokenizer.from_file(str(prepared / "tokenizer.json"))
-    assert manifest["eos_id"] == tokenizer.token_to_id(EOS_TOKEN)
-    assert manifest["tokenizer"]["sha256"] == hashlib.sha256(
-        (prepared / "tokenizer.json").read_bytes()).hexdigest()
-    shards = manifest["splits"]["train"]["shards"]
-    assert len(shards) > 1 and all(s["tokens"] == 700 for s in shards[:-1])
-    for shard in shards:
-        raw = (prepared / shard["file"]).read_bytes()
-        assert shard["sha256"] == hashlib.sha256(raw).hexdigest()
-        assert len(raw) == 2 * shard["tokens"]
-    assert [Path(s["file"]).name for s in manifest["skipped_files"]] == ["latin1.py"]
-    assert "UnicodeDecodeError" in manifest["skipped_files"][0]["reason"]
-    assert not list(prepared.glob("*.tmp"))
-
-
-def test_token_bytes_sum_to_the_utf8_length_of_each_document(prepared):
-    sizes = data.token_bytes(prepared)
-    manifest = data.load_manifest(prepared)
-    tokenizer = data.Tokenizer.from_file(data.tokenizer_path(prepared))
-    assert sizes.shape == (manifest["vocab_size"],) and sizes.dtype == torch.int64
-    assert sizes[manifest["eos_id"]] == 0
-    for doc in documents_of(stream(prepared, "train"), manifest["eos_id"])[:10]:
-        text = tokenizer.decode(doc, skip_special_tokens=False)
-        assert int(sizes[doc].sum()) == len(text.encode("utf-8"))
-
-
-def test_reused_tokenizer_shares_the_vocabulary(prepared, tmp_path):
-    source = tmp_path / "notes.txt"
-    source.write_text(f"first note\n{EOS_TOKEN}second note, longer\n{EOS_TOKEN}\n")
-    manifest = data.prepare(str(source), str(tmp_path / "notes"),
-                            tokenizer=str(prepared / "tokenizer.json"), val_fraction=0.0)
-    assert manifest["tokenizer"]["sha256"] == data.load_manifest(prepared)["tokenizer"]["sha256"]
-    assert manifest["splits"]["train"]["documents"] == 2  # the blank tail is no document
-    tokenizer = data.Tokenizer.from_file(str(prepared / "tokenizer.json"))
-    docs = documents_of(stream(tmp_path / "notes", "train"), manifest["eos_id"])
-    assert [tokenizer.decode(d) for d in docs] == ["first note\n", "second note, longer\n"]
-
-
-def test_interrupted_prepare_leaves_no_manifest(prepared, corpus, tmp_path, monkeypatch):
-    out = copy_of(prepared, tmp_path)
-    real_write, calls = data.write_atomic, []
-
-    def dies_on_third_file(path, payload):
-        calls.append(path)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        real_write(path, payload)
-
-    monkeypatch.setattr(data, "write_atomic", dies_on_third_file)
-    with pytest.raises(KeyboardInterrupt):
-        data.prepare(str(corpus[0]), str(out), vocab_size=300, shard_tokens=700)
-    with pytest.raises(FileNotFoundError, match="interrupted.*python data.py"):
-        data.load_manifest(out)
-
-
-def test_write_atomic_keeps_the_old_file_when_the_rename_fails(tmp_path, monkeypatch):
-    path = tmp_path / "shard.bin"
-    path.write_bytes(b"old")
-
-    def broken_replace(src, dst):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(data.os, "replace", broken_replace)
-    with pytest.raises(OSError):
-        data.write_atomic(path, b"new, partial")
-    assert path.read_bytes() == b"old"
-
-
-# ---------------------------------------------------------------------------------------
-# Sources
-# ---------------------------------------------------------------------------------------
-
-def test_builtin_corpus_is_the_sorted_stdlib_without_site_packages():
-    root, files = data.stdlib_files()
-    assert len(files) > 500 and files == sorted(files)
-    assert all(f.suffix == ".py" and "site-packages" not in f.parts for f in files)
-    assert root / "os.py" in files
-    assert data.builtin_data_dir(32768) == "data/stdlib-32k"
-    assert data.builtin_data_dir(4096) == "data/stdlib-4k"
-
-
-def test_default_source_is_the_builtin_corpus(corpus, tmp_path, monkeypatch):
-    root, _ = corpus
-    monkeypatch.setattr(data, "stdlib_files", lambda: (root, sorted(root.glob("mod_*.py"))))
-    manifest = data.prepare(out_dir=str(tmp_path / "builtin"), vocab_size=300)
-    assert manifest["source"] == f"stdlib:{root}"
-    docs = manifest["splits"]["train"]["documents"] + manifest["splits"]["val"]["documents"]
-    assert docs == 40
-
-
-def test_glob_source_selects_matching_files(corpus, tmp_path):
-    root, _ = corpus
-    manifest = data.prepare(str(root / "mod_1*.py"), str(tmp_path / "glob"), vocab_size=300,
-                            val_fraction=0.0)
-    assert manifest["splits"]["train"]["documents"] == 10  # mod_10.py .. mod_19.py
-
-
-def test_jsonl_source_reads_the_text_field_and_skips_bad_lines(tmp_path):
-    source = tmp_path / "docs.jsonl"
-    rows = [json.dumps({"body": f"document number {i} says hello"}) for i in range(5)]
-    source.write_text("\n".join(rows[:2] + ["{not json", json.dumps({"other": 1})] + rows[2:]))
-    manifest = data.prepare(str(source), str(tmp_path / "jsonl"), vocab_size=300,
-                            text_field="body", val_fraction=0.0)
-    assert manifest["splits"]["train"]["documents"] == 5
-    assert [s["file"] for s in manifest["skipped_files"]] == [f"{source}:3", f"{source}:4"]
-
-
-def fake_datasets(rows):
-    """A stand-in for the optional `datasets` package: these tests must run offline."""
-    module = types.ModuleType("datasets")
-    module.__spec__ = importlib.machinery.ModuleSpec("datasets", None)
-    module.calls = []
-
-    def load_dataset(name, split, streaming):
-        module.calls.append(("load_dataset", name, split, streaming))
-        return iter(rows)
-
-    def load_from_disk(path):
-        module.calls.append(("load_from_disk", path))
-        return {"train": list(rows)}  # a DatasetDict is a dict of splits
-
-    module.load_dataset, module.load_from_disk = load_dataset, load_from_disk
-    return module
-
-
-def test_hugging_face_sources_stream_through_the_lazy_import(tmp_path, monkeypatch):
-    rows = [{"text": f"row {i}: the quick brown fox"} for i in range(6)]
-    fake = fake_datasets(rows)
-    monkeypatch.setitem(sys.modules, "datasets", fake)
-    manifest = data.prepare("someone/tiny-corpus", str(tmp_path / "hub"), vocab_size=300,
-                            val_fraction=0.0)
-    assert manifest["splits"]["train"]["documents"] == 6
-    assert ("load_dataset", "someone/tiny-corpus", "train", True) in fake.calls
-    saved = tmp_path / "saved"
-    saved.mkdir()
-    (saved / "dataset_dict.json").write_text("{}")
-    manifest = data.prepare(str(saved), str(tmp_path / "disk"), vocab_size=300, val_fraction=0.0)
-    assert manifest["splits"]["train"]["documents"] == 6
-    assert ("load_from_disk", str(saved)) in fake.calls
-    with pytest.raises(ValueError, match="no field 'body'"):
-        data.prepare("someone/tiny-corpus", str(tmp_path / "f"), vocab_size=300, text_field="body")
-
-
-def test_hugging_face_name_without_datasets_says_how_to_install(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails as if not installed
-    with pytest.raises(ValueError, match="pip install datasets"):
-        data.prepare("someone/tiny-corpus", str(tmp_path / "x"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -409,13 +234,28 @@ def test_uint32_shards_give_the_same_batches(prepared, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------
+# Reading a prepared directory
+# ---------------------------------------------------------------------------------------
+
+def test_token_bytes_sum_to_the_utf8_length_of_each_document(prepared):
+    sizes = data.token_bytes(prepared)
+    manifest = data.load_manifest(prepared)
+    tokenizer = Tokenizer.from_file(data.tokenizer_path(prepared))
+    assert sizes.shape == (manifest["vocab_size"],) and sizes.dtype == torch.int64
+    assert sizes[manifest["eos_id"]] == 0
+    for doc in documents_of(stream(prepared, "train"), manifest["eos_id"])[:10]:
+        text = tokenizer.decode(doc, skip_special_tokens=False)
+        assert int(sizes[doc].sum()) == len(text.encode("utf-8"))
+
+
+# ---------------------------------------------------------------------------------------
 # Bad input: clear errors that name the file and the fix
 # ---------------------------------------------------------------------------------------
 
 def test_missing_data_dir_suggests_the_prepare_command(tmp_path):
-    with pytest.raises(FileNotFoundError, match="python data.py --vocab_size 4096"):
+    with pytest.raises(FileNotFoundError, match="python prepare.py --vocab_size 4096"):
         PackedShardLoader(tmp_path / "stdlib-4k", "train", T, 1)
-    with pytest.raises(FileNotFoundError, match="python data.py --source"):
+    with pytest.raises(FileNotFoundError, match="python prepare.py --source"):
         data.load_manifest(tmp_path / "mine")
 
 
@@ -430,40 +270,11 @@ def test_corrupt_or_foreign_manifest_is_refused(prepared, tmp_path):
         data.load_manifest(bad)
 
 
-def test_empty_corpus(tmp_path):
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="empty corpus.*holds no files"):
-        data.prepare(str(tmp_path / "empty"), str(tmp_path / "out"))
-    (tmp_path / "empty" / "blank.txt").write_text("  \n")
-    (tmp_path / "empty" / "binary.dat").write_bytes(b"\xff\xfe\x00")
-    with pytest.raises(ValueError, match="empty corpus"):
-        data.prepare(str(tmp_path / "empty"), str(tmp_path / "out"))
-    with pytest.raises(ValueError, match="no file matches"):
-        data.prepare(str(tmp_path / "*.nothing"), str(tmp_path / "out"))
-    assert not (tmp_path / "out").exists()  # refused before any work
-
-
-def test_unreadable_files_are_skipped_and_counted(corpus, tmp_path, monkeypatch):
-    root, _ = corpus
-    real_read = Path.read_bytes
-
-    def read_bytes(path):
-        if path.name == "mod_03.py":
-            raise PermissionError(13, "Permission denied", str(path))
-        return real_read(path)
-
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
-    manifest = data.prepare(str(root), str(tmp_path / "out"), vocab_size=300)
-    reasons = {Path(s["file"]).name: s["reason"] for s in manifest["skipped_files"]}
-    assert reasons.keys() == {"latin1.py", "mod_03.py"}
-    assert "PermissionError" in reasons["mod_03.py"]
-
-
 def test_shard_size_mismatch_and_truncation(prepared, tmp_path):
     bad = copy_of(prepared, tmp_path)
     shard = bad / "train_00001.bin"
     shard.write_bytes(shard.read_bytes()[:-2])
-    with pytest.raises(ValueError, match="train_00001.bin is truncated.*python data.py"):
+    with pytest.raises(ValueError, match="train_00001.bin is truncated.*python prepare.py"):
         PackedShardLoader(bad, "train", T, 1)
     shard.write_bytes((prepared / "train_00001.bin").read_bytes() + b"\0\0")
     with pytest.raises(ValueError, match="train_00001.bin is larger than the manifest says"):
@@ -473,9 +284,8 @@ def test_shard_size_mismatch_and_truncation(prepared, tmp_path):
         PackedShardLoader(bad, "train", T, 1)
 
 
-def test_verify_catches_a_changed_byte(prepared, tmp_path, capsys):
-    data.main(["--verify", str(prepared)])
-    assert "verified" in capsys.readouterr().out
+def test_verify_catches_a_changed_byte(prepared, tmp_path):
+    data.verify(prepared)  # the prepared directory passes as written
     bad = copy_of(prepared, tmp_path)
     raw = bytearray((bad / "val_00000.bin").read_bytes())
     raw[5] ^= 1  # same size, so only the checksum can tell
@@ -492,15 +302,6 @@ def test_tokenizer_whose_hash_differs_from_the_manifest(prepared, tmp_path):
         data.tokenizer_path(bad)
     with pytest.raises(ValueError, match="tokenizer.json has sha256"):
         data.verify(bad)
-
-
-def test_reused_tokenizer_must_exist_and_have_eos(corpus, tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.json does not exist"):
-        data.prepare(str(corpus[0]), str(tmp_path / "o"), tokenizer=str(tmp_path / "nope.json"))
-    plain = data.Tokenizer(data.models.BPE())
-    plain.save(str(tmp_path / "plain.json"))
-    with pytest.raises(ValueError, match="plain.json has no '<\\|endoftext\\|>'"):
-        data.prepare(str(corpus[0]), str(tmp_path / "o"), tokenizer=str(tmp_path / "plain.json"))
 
 
 def test_seq_len_longer_than_the_split(prepared):
@@ -528,14 +329,3 @@ def test_bad_loader_arguments_and_foreign_state(prepared):
         PackedShardLoader(prepared, "train", T, 1, seed=2).load_state_dict(state)
     with pytest.raises(ValueError, match="seq_len=16"):
         PackedShardLoader(prepared, "train", T + 1, 1, seed=1).load_state_dict(state)
-
-
-def test_cli_prepares_a_directory(corpus, tmp_path):
-    out = tmp_path / "cli"
-    data.main(["--source", str(corpus[0]), "--out", str(out), "--vocab_size", "300",
-               "--shard_tokens", "500", "--val_fraction", "0"])
-    manifest = data.load_manifest(out)
-    assert manifest["vocab_size"] <= 300 and manifest["splits"]["val"]["documents"] == 0
-    assert all(s["tokens"] <= 500 for s in manifest["splits"]["train"]["shards"])
-    with pytest.raises(ValueError, match="also pass --out"):
-        data.prepare(str(corpus[0]))

@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import micro_config
-from model import Stack100M
+from model import Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,7 +50,7 @@ def test_sharded_checkpoint_reloads_on_other_rank_counts(small_data_dir, tmp_pat
     torchrun(2, "save", small_data_dir, tmp_path)
     # what --export does: one process, no process group, a plain model reads the shards
     model_cfg = micro_config(small_data_dir, str(tmp_path)).model
-    plain = {"model": Stack100M(model_cfg).state_dict()}
+    plain = {"model": Transformer(model_cfg).state_dict()}
     dcp.load(plain, checkpoint_id=str(tmp_path / "ckpt"))
     reference = torch.load(tmp_path / "reference.pt", weights_only=True)
     assert all(torch.equal(v, reference[f"model.{k}"]) for k, v in plain["model"].items())

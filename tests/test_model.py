@@ -27,9 +27,9 @@ def small_cfg(**overrides) -> config.StackConfig:
     return config.StackConfig(**{**shape, **overrides})
 
 
-def small_model(seed=0, **overrides) -> M.Stack100M:
+def small_model(seed=0, **overrides) -> M.Transformer:
     torch.manual_seed(seed)
-    return M.Stack100M(small_cfg(**overrides))
+    return M.Transformer(small_cfg(**overrides))
 
 
 def reference_ce_z(hidden, weight, targets, z_loss, reduction="mean"):
@@ -68,7 +68,7 @@ def test_chunked_loss_and_grads_equal_full_logits_fp32(reduction):
     torch.testing.assert_close(ce, ref_ce.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(z, ref_z.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(loss, (ref_ce + ref_z).detach(), rtol=1e-5, atol=1e-5)
-    for got, want in zip(grads, ref_grads):
+    for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert grads[0][[0, 5, 6, 22]].abs().max() == 0  # ignored rows get no gradient
     assert not ce.requires_grad and not z.requires_grad
@@ -106,13 +106,13 @@ def test_model_loss_parts_and_tied_gradient_match_full_logits():
     ids = torch.randint(0, 97, (2, 12))
     targets = torch.randint(0, 97, (2, 12))
     targets[0, :3] = -100
-    _, loss, ce, z = model(ids, targets=targets, reduction="sum", return_parts=True)
+    loss, ce, z = model(ids, targets=targets, reduction="sum")
     loss.backward()
     grad = model.embed.weight.grad.clone()
     model.zero_grad()
     # Oracle: all logits from the same model, F.cross_entropy, and autograd through both
     # uses of the tied matrix (lookup and head).
-    logits, _ = model(ids, all_logits=True)
+    logits = model.logits(ids)
     ref_ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
     lse = torch.logsumexp(logits.flatten(0, 1), -1)[targets.flatten() != -100]
     ref_z = model.cfg.z_loss * (lse ** 2).sum()
@@ -121,7 +121,7 @@ def test_model_loss_parts_and_tied_gradient_match_full_logits():
     torch.testing.assert_close(z, ref_z.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss.detach(), ce + z)
     torch.testing.assert_close(grad, model.embed.weight.grad, rtol=1e-5, atol=1e-6)
-    _, mean_loss = model(ids, targets=targets)
+    mean_loss = model(ids, targets=targets).loss
     torch.testing.assert_close(mean_loss.detach(), loss.detach() / 21)  # 24 - 3 ignored
 
 
@@ -194,13 +194,13 @@ def test_packed_documents_equal_each_document_alone():
     packed = torch.cat([doc_a, doc_b], dim=1)  # (1, 12)
     position_ids = torch.cat([torch.arange(5), torch.arange(7)])[None]
     seq_ids = torch.tensor([[0] * 5 + [1] * 7])
-    logits, _ = model(packed, position_ids=position_ids, seq_ids=seq_ids, all_logits=True)
-    alone_a, _ = model(doc_a, all_logits=True)
-    alone_b, _ = model(doc_b, all_logits=True)
+    logits = model.logits(packed, position_ids=position_ids, seq_ids=seq_ids)
+    alone_a = model.logits(doc_a)
+    alone_b = model.logits(doc_b)
     torch.testing.assert_close(logits[:, :5], alone_a, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits[:, 5:], alone_b, rtol=1e-5, atol=1e-5)
     # Without seq_ids, B's tokens see A: the mask is what makes them equal.
-    leaky, _ = model(packed, position_ids=position_ids, all_logits=True)
+    leaky = model.logits(packed, position_ids=position_ids)
     assert (leaky[:, 5:] - alone_b).abs().max() > 1e-3
 
 
@@ -309,7 +309,7 @@ def test_flex_attention_matches_dense_mask_on_cuda():
     torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-4)
     grads_flex = torch.autograd.grad(flex.square().sum(), (q, k, v))
     grads_dense = torch.autograd.grad(dense.square().sum(), (q, k, v))
-    for got, want in zip(grads_flex, grads_dense):
+    for got, want in zip(grads_flex, grads_dense, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
@@ -317,9 +317,9 @@ def test_bf16_autocast_training_step_is_close_to_fp32():
     model = small_model()
     ids = torch.randint(0, 97, (2, 16))
     seq_ids = torch.tensor([[0] * 6 + [1] * 10] * 2)
-    _, loss32 = model(ids, targets=ids, seq_ids=seq_ids)
+    loss32 = model(ids, targets=ids, seq_ids=seq_ids).loss
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        _, loss16 = model(ids, targets=ids, seq_ids=seq_ids)
+        loss16 = model(ids, targets=ids, seq_ids=seq_ids).loss
     loss16.backward()
     assert loss16.dtype == torch.float32
     assert abs(loss16.item() - loss32.item()) < 2e-2 * loss32.item()
@@ -327,7 +327,7 @@ def test_bf16_autocast_training_step_is_close_to_fp32():
 
 
 # ---------------------------------------------------------------------------------------
-# Activation checkpointing, initialisation
+# Activation recomputation, initialisation
 # ---------------------------------------------------------------------------------------
 
 
@@ -344,28 +344,26 @@ def saved_tensor_count(model, ids) -> int:
     return count
 
 
-def test_activation_checkpointing_keeps_gradients_and_saves_fewer_tensors():
+def test_activation_recompute_keeps_gradients_and_saves_fewer_tensors():
     model = small_model()
     ids = torch.randint(0, 97, (2, 10))
     grads, saved = {}, {}
     for every in (0, 1, 2):
-        model.set_activation_checkpointing(every)
+        model.recompute_every = every
         model.zero_grad()
-        model(ids, targets=ids)[1].backward()
+        model(ids, targets=ids).loss.backward()
         grads[every] = [p.grad.clone() for p in model.parameters()]
         saved[every] = saved_tensor_count(model, ids)
     for every in (1, 2):
-        for got, want in zip(grads[every], grads[0]):
+        for got, want in zip(grads[every], grads[0], strict=True):
             torch.testing.assert_close(got, want)
     assert saved[1] < saved[2] < saved[0]
-    with pytest.raises(ValueError, match="every=-1"):
-        model.set_activation_checkpointing(-1)
 
 
 def test_init_weights_follows_its_docstring():
     cfg = small_cfg(d_model=128, intermediate=512, n_layers=8, vocab_size=512)
     torch.manual_seed(0)
-    model = M.Stack100M(cfg)
+    model = M.Transformer(cfg)
     residual_std = 0.02 / math.sqrt(2 * 8)
     for name, p in model.named_parameters():
         if p.ndim == 1:
@@ -384,10 +382,10 @@ def test_init_weights_follows_its_docstring():
 def test_default_parameter_count_is_101_3m():
     cfg = config.StackConfig()
     with torch.device("meta"):  # shapes only, no memory
-        model = M.Stack100M(cfg)
+        model = M.Transformer(cfg)
     assert M.count_params(model) == M.count_params(cfg)
     assert abs(M.count_params(cfg) - 101.3e6) <= 0.1e6
-    assert abs(M.count_params(M.Stack100M(config.tiny_model())) - 4e6) < 0.2e6
+    assert abs(M.count_params(M.Transformer(config.tiny_model())) - 4e6) < 0.2e6
 
 
 def test_default_flops_per_token_reproduce_published_figures():
@@ -403,7 +401,7 @@ def test_flop_counts_match_flop_counter_mode():
     SDPA backend is used because the CPU flash kernel has no FLOP formula registered;
     it computes all T² scores, masked or not, as the PaLM convention assumes."""
     cfg = small_cfg(vocab_size=256, d_model=64, intermediate=160, ce_chunk_size=64)
-    model = M.Stack100M(cfg)
+    model = M.Transformer(cfg)
     B, T = 2, 32
     ids = torch.randint(0, 256, (B, T))
 
@@ -414,10 +412,10 @@ def test_flop_counts_match_flop_counter_mode():
         return counter.get_total_flops()
 
     def full_logits_step():
-        logits, _ = model(ids, all_logits=True)
+        logits = model.logits(ids)
         F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
 
-    forward = counted(lambda: model(ids, all_logits=True))
+    forward = counted(lambda: model.logits(ids))
     train = counted(full_logits_step)
     tokens = B * T
     # Every matmul's backward is two matmuls of the same size: exactly 3x forward.
@@ -432,7 +430,7 @@ def test_flop_counts_match_flop_counter_mode():
         pytest.approx(train, rel=0.01)
     # The chunked head recomputes its logits in backward: one extra head forward, 2·V·C
     # per token, on top of the convention.
-    chunked = counted(lambda: model(ids, targets=ids)[1].backward())
+    chunked = counted(lambda: model(ids, targets=ids).loss.backward())
     assert chunked == train + 2 * cfg.vocab_size * cfg.d_model * tokens
 
 
@@ -448,7 +446,7 @@ def test_kv_cache_generation_equals_greedy_decoding_without_cache():
     tokens = prompt
     with torch.no_grad():
         for _ in range(20):
-            logits, _ = model(tokens)  # the whole sequence again, last position's logits
+            logits = model.logits(tokens, last_only=True)  # the whole sequence again
             tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(generated, tokens)
     assert len(set(tokens[0, 5:].tolist())) > 1  # not a degenerate constant sequence
@@ -481,7 +479,7 @@ def write_tiny_export(export_dir):
     cfg = small_cfg(vocab_size=tokenizer.get_vocab_size())
     torch.manual_seed(0)
     os.makedirs(export_dir, exist_ok=True)
-    torch.save(M.Stack100M(cfg).state_dict(), os.path.join(export_dir, "model.pt"))
+    torch.save(M.Transformer(cfg).state_dict(), os.path.join(export_dir, "model.pt"))
     with open(os.path.join(export_dir, "config.json"), "w") as f:
         json.dump(dataclasses.asdict(cfg), f)
     tokenizer.save(os.path.join(export_dir, "tokenizer.json"))
@@ -508,8 +506,8 @@ def test_load_export_round_trips_the_weights(tmp_path):
     cfg = write_tiny_export(str(tmp_path))
     model, tokenizer = sample.load_export(str(tmp_path))
     torch.manual_seed(0)
-    fresh = M.Stack100M(cfg)
-    for (name, p), q in zip(model.state_dict().items(), fresh.state_dict().values()):
+    fresh = M.Transformer(cfg)
+    for (name, p), q in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
     assert tokenizer.token_to_id("<|endoftext|>") is not None
     assert not model.training

@@ -1,5 +1,6 @@
-"""optim.py against independent oracles: torch.optim.Muon, an SVD, explicit schedule tables,
-and single-process Muon for the sharded (FSDP2, torchrun) path."""
+"""optim.py against independent oracles: torch.optim.Muon, an SVD, hand-computed first
+steps, explicit schedule tables, and single-process Muon for the sharded (FSDP2, torchrun)
+path."""
 
 import io
 import json
@@ -12,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from config import StackConfig, TrainConfig
-from optim import (Muon, Split, build_optimizers, check_schedule, format_split, lr_multiplier,
-                   lr_scale, newton_schulz, optimizer_summary, schedule_split)
+import optim
+from config import StackConfig, TrainConfig, tiny_model
+from optim import (Muon, Optimizers, WSDPhases, build_optimizers, check_schedule, format_phases,
+                   lr_multiplier, lr_scale, newton_schulz, schedule_summary, wsd_phases)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,7 +78,8 @@ def weight_change_after_10_steps(make_optimizer, shape):
 
 
 def test_stacked_newton_schulz_orthogonalises_each_matrix_on_its_own():
-    """Muon batches same-shape matrices on GPUs: a stack must equal the matrices one by one."""
+    """Muon batches same-shape matrices on GPUs (and on CPUs runs them one by one): a stack
+    must equal the matrices one by one."""
     G = torch.randn(3, 24, 40, generator=torch.Generator().manual_seed(2))
     G[1] *= 100  # each matrix is normalised by its own norm, not the stack's
     stacked = newton_schulz(G)
@@ -96,13 +99,83 @@ def test_several_same_shape_matrices_match_torch_muon():
     opt_theirs = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1)
     grads = torch.Generator().manual_seed(4)
     for _ in range(10):
-        for a, b in zip(ours, theirs):
+        for a, b in zip(ours, theirs, strict=True):
             a.grad = torch.randn(a.shape, generator=grads)
             b.grad = a.grad.clone()
         opt_ours.step()
         opt_theirs.step()
-    for a, b, s in zip(ours, theirs, start):
+    for a, b, s in zip(ours, theirs, start, strict=True):
         assert relative_error(a.detach() - s, b.detach() - s) < 0.02
+
+
+def test_same_shape_matrices_are_bucketed_once_when_built():
+    """Buckets hold positions in group["params"], found by shape in __init__, sorted by shape."""
+    shapes = [(16, 24), (24, 8), (16, 24), (8, 8)]
+    muon = Muon([torch.nn.Parameter(torch.zeros(s)) for s in shapes], lr=0.02)
+    assert muon.shape_buckets == [(0, [3]), (0, [0, 2]), (0, [1])]
+
+
+def test_cpu_orthogonalises_matrix_by_matrix(monkeypatch):
+    """On CPU, Newton–Schulz sees one 2-D matrix at a time, never a stack: batched matmul is
+    slower there, and one at a time keeps CPU results bitwise what they were."""
+    seen = []
+    monkeypatch.setattr(optim, "newton_schulz",
+                        lambda G, *args: seen.append(tuple(G.shape)) or newton_schulz(G, *args))
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(16, 24), (24, 8), (16, 24)]]
+    muon = Muon(params, lr=0.02)
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    muon.step()
+    assert sorted(seen) == [(16, 24), (16, 24), (24, 8)]
+
+
+def test_step_follows_params_swapped_in_after_construction():
+    """accelerate.prepare (FSDP2) replaces the tensors in group["params"] after the optimizer
+    is built; the buckets are positions, so the step must update the new tensors."""
+    muon = Muon([torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4, 8))],
+                lr=0.02)
+    swapped = [torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4, 8))]
+    muon.param_groups[0]["params"] = swapped
+    before = [p.detach().clone() for p in swapped]
+    for p in swapped:
+        p.grad = torch.randn(p.shape)
+    muon.step()
+    assert all(not torch.equal(p, b) for p, b in zip(swapped, before, strict=True))
+
+
+def test_matrices_without_gradients_are_left_alone():
+    moving, frozen = torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(8, 4))
+    frozen_before = frozen.detach().clone()
+    muon = Muon([moving, frozen], lr=0.02)
+    moving.grad = torch.randn(8, 4)
+    muon.step()
+    assert torch.equal(frozen, frozen_before) and frozen not in muon.state
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_batched_buckets_match_matrix_by_matrix():
+    """On a GPU each bucket is one stacked Newton–Schulz; in float32 it must match Muon
+    stepping every matrix in a bucket of its own (different shapes never share a stack)."""
+    shapes = [(64, 32), (64, 32), (64, 32), (32, 96)]
+    torch.manual_seed(5)
+    start = [torch.randn(s, device="cuda") for s in shapes]
+    grads = [[torch.randn(s, device="cuda") for s in shapes] for _ in range(5)]
+
+    def train(make_params):
+        params = [torch.nn.Parameter(w.clone()) for w in start]
+        optimizers = [Muon(group, lr=0.02, ns_dtype=torch.float32) for group in make_params(params)]
+        for step_grads in grads:
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g.clone()
+            for optimizer in optimizers:
+                optimizer.step()
+        return params
+
+    batched = train(lambda ps: [ps])
+    one_by_one = train(lambda ps: [[p] for p in ps])
+    for a, b in zip(batched, one_by_one, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def relative_error(x, reference):
@@ -152,8 +225,18 @@ def test_match_rms_adamw_gives_every_matrix_an_update_rms_of_0_2():
 def test_muon_refuses_what_it_cannot_optimise():
     with pytest.raises(ValueError, match="2-D matrices only"):
         Muon([torch.nn.Parameter(torch.ones(4))], lr=0.01)
-    with pytest.raises(ValueError, match="adjust_lr='rms'"):
-        Muon([torch.nn.Parameter(torch.ones(4, 4))], lr=0.01, adjust_lr="rms")
+
+
+def test_lr_scale_has_no_fallback_rule():
+    """config.py owns the list of adjust_lr names; an unknown one must not silently get a
+    formula (the old if/else gave anything but "original" Moonlight's)."""
+    with pytest.raises(KeyError, match="rms"):
+        lr_scale(4, 4, "rms")
+    p = torch.nn.Parameter(torch.ones(4, 4))
+    muon = Muon([p], lr=0.01, adjust_lr="rms")
+    p.grad = torch.ones(4, 4)
+    with pytest.raises(KeyError, match="rms"):
+        muon.step()
 
 
 def test_state_dict_round_trip_continues_bit_identically():
@@ -190,8 +273,8 @@ def test_state_dict_round_trip_continues_bit_identically():
 
 
 class StandInModel(torch.nn.Module):
-    """model.py's naming: embed (tied head), blocks[i].attn.{wq,wk,wv,wo,q_norm,k_norm},
-    blocks[i].mlp.{w_gate,w_up,w_down}, pre-norms, final norm."""
+    """model.py's naming: embed (tied head), blocks[i].attn.{q,k,v,o}_proj and {q,k}_norm,
+    blocks[i].mlp.{gate,up,down}_proj, pre-norms, final norm."""
 
     def __init__(self, vocab=64, d=16, kv=8, hidden=40, layers=2, head_dim=4):
         super().__init__()
@@ -202,30 +285,31 @@ class StandInModel(torch.nn.Module):
             block = torch.nn.Module()
             block.attn_norm, block.mlp_norm = torch.nn.RMSNorm(d), torch.nn.RMSNorm(d)
             block.attn = torch.nn.Module()
-            block.attn.wq, block.attn.wk, block.attn.wv = linear(d, d), linear(d, kv), linear(d, kv)
-            block.attn.wo = linear(d, d)
+            block.attn.q_proj, block.attn.k_proj = linear(d, d), linear(d, kv)
+            block.attn.v_proj, block.attn.o_proj = linear(d, kv), linear(d, d)
             block.attn.q_norm = torch.nn.RMSNorm(head_dim)
             block.attn.k_norm = torch.nn.RMSNorm(head_dim)
             block.mlp = torch.nn.Module()
-            block.mlp.w_gate, block.mlp.w_up = linear(d, hidden), linear(d, hidden)
-            block.mlp.w_down = linear(hidden, d)
+            block.mlp.gate_proj, block.mlp.up_proj = linear(d, hidden), linear(d, hidden)
+            block.mlp.down_proj = linear(hidden, d)
             self.blocks.append(block)
         self.norm = torch.nn.RMSNorm(d)
         self.head_weight = self.embed.weight  # tied: the same Parameter under a second name
 
 
-def micro_stack100m():
+def micro_transformer():
     """The real model.py at a toy size: same routing rule, its own parameter names."""
     import model
-    return model.Stack100M(StackConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4,
+    return model.Transformer(StackConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4,
                                        n_kv_heads=2, intermediate=64, max_seq_len=32))
 
 
-@pytest.mark.parametrize("make_model", [StandInModel, micro_stack100m])
+@pytest.mark.parametrize("make_model", [StandInModel, micro_transformer])
 def test_every_trainable_parameter_is_in_exactly_one_group(make_model):
     model = make_model()
-    muon, adamw = build_optimizers(model, TrainConfig())
-    groups = {(name, group["name"]): group for name, opt in (("muon", muon), ("adamw", adamw))
+    optimizers = build_optimizers(model, TrainConfig())
+    assert list(optimizers.named) == ["muon", "adamw"]
+    groups = {(name, group["name"]): group for name, opt in optimizers.named.items()
               for group in opt.param_groups}
     owner = {}
     for key, group in groups.items():
@@ -242,7 +326,8 @@ def test_every_trainable_parameter_is_in_exactly_one_group(make_model):
 def test_groups_start_at_peak_lr_with_weight_decay_only_on_matrices():
     cfg = TrainConfig(muon_peak_lr=0.01, adamw_peak_lr=0.002, betas=(0.8, 0.9), weight_decay=0.05,
                       muon_adjust_lr="original")
-    muon, adamw = build_optimizers(StandInModel(), cfg)
+    optimizers = build_optimizers(StandInModel(), cfg)
+    muon, adamw = optimizers.named["muon"], optimizers.named["adamw"]
     (matrices,), (embedding, gains) = muon.param_groups, adamw.param_groups
     assert (matrices["lr"], matrices["weight_decay"]) == (0.01, 0.05)
     assert (matrices["momentum"], matrices["adjust_lr"]) == (0.95, "original")
@@ -254,31 +339,32 @@ def test_groups_start_at_peak_lr_with_weight_decay_only_on_matrices():
 
 def test_every_group_records_its_peak_lr():
     cfg = TrainConfig(muon_peak_lr=0.01, adamw_peak_lr=0.002)
-    muon, adamw = build_optimizers(StandInModel(), cfg)
-    assert [g["peak_lr"] for g in muon.param_groups + adamw.param_groups] == [0.01, 0.002, 0.002]
+    optimizers = build_optimizers(StandInModel(), cfg).named.values()
+    assert [g["peak_lr"] for opt in optimizers for g in opt.param_groups] == [0.01, 0.002, 0.002]
 
 
 def test_adamw_baseline_puts_the_matrices_in_adamw():
-    """matrix_optimizer="adamw" (bench/recipe.py's baseline): same groups, no Muon."""
+    """matrix_optimizer="adamw" (bench/recipe.py's baseline): same groups, no Muon, and no
+    AdamW filed under the name "muon"."""
     cfg = TrainConfig(muon_peak_lr=0.01, adamw_peak_lr=0.002, matrix_optimizer="adamw")
-    matrix_opt, adamw = build_optimizers(StandInModel(), cfg)
-    assert type(matrix_opt) is torch.optim.AdamW
-    (matrices,) = matrix_opt.param_groups
+    optimizers = build_optimizers(StandInModel(), cfg)
+    assert list(optimizers.named) == ["adamw_matrices", "adamw"]
+    assert all(type(opt) is torch.optim.AdamW for opt in optimizers.named.values())
+    (matrices,) = optimizers.named["adamw_matrices"].param_groups
     assert (matrices["lr"], matrices["peak_lr"], matrices["weight_decay"]) == (0.002, 0.002, 0.1)
     assert matrices["betas"] == cfg.betas and len(matrices["params"]) == 2 * 7
-    assert optimizer_summary(matrix_opt, adamw).startswith("adamw matrices: 14 tensors")
+    assert optimizers.summary().startswith("adamw matrices: 14 tensors")
 
 
 def test_frozen_parameters_are_left_out():
     model = StandInModel()
-    model.blocks[0].attn.wq.weight.requires_grad_(False)
-    muon, _ = build_optimizers(model, TrainConfig())
-    assert all(p is not model.blocks[0].attn.wq.weight for p in muon.param_groups[0]["params"])
+    model.blocks[0].attn.q_proj.weight.requires_grad_(False)
+    muon = build_optimizers(model, TrainConfig()).named["muon"]
+    assert all(p is not model.blocks[0].attn.q_proj.weight for p in muon.param_groups[0]["params"])
 
 
 def test_summary_is_one_line_of_counts_and_numels():
-    muon, adamw = build_optimizers(StandInModel(), TrainConfig())
-    line = optimizer_summary(muon, adamw)
+    line = build_optimizers(StandInModel(), TrainConfig()).summary()
     matrices = 2 * (16 * 16 * 2 + 16 * 8 * 2 + 16 * 40 * 3)
     gains = 2 * (16 * 2 + 4 * 2) + 16
     assert line == (f"muon matrices: 14 tensors {matrices:,} params wd 0.1 | "
@@ -286,22 +372,138 @@ def test_summary_is_one_line_of_counts_and_numels():
                     f"adamw gains: 9 tensors {gains} params wd 0")
 
 
+def test_summary_of_the_tiny_preset_is_the_banner_line():
+    """The banner's text, byte for byte, for the default optimizer settings."""
+    import model
+    line = build_optimizers(model.Transformer(tiny_model()), TrainConfig()).summary()
+    assert line == ("muon matrices: 28 tensors 2,949,120 params wd 0.1 | adamw embedding: "
+                    "1 tensors 1,048,576 params wd 0.1 | adamw gains: 17 tensors 2,816 params wd 0")
+
+
+# ---------------------------------------------------------------------------------------
+# Optimizers: the pair, stepped as one
+# ---------------------------------------------------------------------------------------
+
+
+def forward_backward(model, seed=0):
+    """A made-up loss that reaches every parameter of StandInModel: embedding, matrices and
+    gains, so that every group of both optimizers has a gradient."""
+    tokens = torch.randint(0, 64, (4,), generator=torch.Generator().manual_seed(seed))
+    x = model.embed(tokens)  # (4, d)
+    for block in model.blocks:
+        attn, mlp = block.attn, block.mlp
+        h = block.attn_norm(x)
+        q = attn.q_norm(attn.q_proj(h).unflatten(-1, (-1, 4)))  # (4, heads, head_dim)
+        k = attn.k_norm(attn.k_proj(h).unflatten(-1, (-1, 4)))  # (4, kv heads, head_dim)
+        x = x + attn.o_proj(h * (q.sum() + k.sum() + attn.v_proj(h).sum()))
+        h = block.mlp_norm(x)
+        x = x + mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+    (model.norm(x) @ model.head_weight.T).square().mean().backward()
+
+
+@pytest.mark.parametrize("matrix_optimizer", ["muon", "adamw"])
+def test_set_lr_sets_peak_lr_times_multiplier_on_every_group(matrix_optimizer):
+    cfg = TrainConfig(muon_peak_lr=0.01, adamw_peak_lr=0.002, matrix_optimizer=matrix_optimizer)
+    optimizers = build_optimizers(StandInModel(), cfg)
+    optimizers.set_lr(0.25)
+    groups = [g for opt in optimizers.named.values() for g in opt.param_groups]
+    assert len(groups) == 3
+    assert all(g["lr"] == g["peak_lr"] * 0.25 for g in groups)
+    matrix_lr = (0.01 if matrix_optimizer == "muon" else 0.002) * 0.25
+    assert list(optimizers.lrs().values()) == [matrix_lr, 0.002 * 0.25]
+
+
+def test_lrs_reports_each_optimizers_first_group_in_order():
+    w = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    optimizers = Optimizers({
+        "second": torch.optim.SGD([dict(params=[w[0]], lr=0.1), dict(params=[w[1]], lr=0.2)]),
+        "first": torch.optim.SGD([w[2]], lr=0.3)})
+    assert list(optimizers.lrs().items()) == [("second", 0.1), ("first", 0.3)]
+
+
+def test_step_steps_both_and_zero_grad_clears_both():
+    model = StandInModel()
+    optimizers = build_optimizers(model, TrainConfig())
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    forward_backward(model)
+    optimizers.step()
+    moved = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
+    assert moved == set(before), set(before) - moved  # Muon's matrices and AdamW's the rest
+    optimizers.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_first_step_of_each_optimizer_equals_hand_math():
+    """Oracle: the first step in closed form, at lr = peak_lr·multiplier after set_lr.
+    AdamW (bias-corrected, zero state): W·(1 − lr·wd) − lr·g/(|g| + eps). Muon (zero momentum):
+    the Nesterov update is a multiple of g, and Newton–Schulz ignores the scale, so
+    W·(1 − lr·wd) − lr·0.2·sqrt(max(A, B))·NewtonSchulz(g)."""
+    cfg = TrainConfig(muon_peak_lr=0.01, adamw_peak_lr=0.002, weight_decay=0.1)
+    model = StandInModel()
+    optimizers = build_optimizers(model, cfg)
+    optimizers.set_lr(0.5)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    forward_backward(model)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    optimizers.step()
+    for name, p in model.named_parameters():
+        w, g = before[name], grads[name]
+        if p is model.embed.weight or "norm" in name:
+            lr, wd = 0.002 * 0.5, (0.0 if "norm" in name else 0.1)
+            expected = w * (1 - lr * wd) - lr * g / (g.abs() + 1e-8)
+        else:
+            lr = 0.01 * 0.5
+            step = 0.2 * math.sqrt(max(w.shape)) * newton_schulz(g)
+            expected = w * (1 - lr * 0.1) - lr * step
+        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6,
+                                   msg=lambda detail: f"{name}: {detail}")
+
+
+def test_adamw_baseline_equals_torch_adamw_on_the_same_groups():
+    """Oracle: the all-AdamW baseline, stepped through Optimizers with a changing lr, equals
+    one torch.optim.AdamW over the same three groups driven by hand."""
+    cfg = TrainConfig(adamw_peak_lr=0.002, matrix_optimizer="adamw")
+    ours, reference = StandInModel(), StandInModel()
+    reference.load_state_dict(ours.state_dict())
+    optimizers = build_optimizers(ours, cfg)
+    twin = {id(a): b for a, b in zip(ours.parameters(), reference.parameters(), strict=True)}
+    groups = [dict(params=[twin[id(p)] for p in group["params"]],
+                   weight_decay=group["weight_decay"])
+              for opt in optimizers.named.values() for group in opt.param_groups]
+    oracle = torch.optim.AdamW(groups, lr=0.002, betas=cfg.betas)
+    for step, multiplier in enumerate([0.25, 0.5, 1.0]):
+        optimizers.set_lr(multiplier)
+        for group in oracle.param_groups:
+            group["lr"] = 0.002 * multiplier
+        forward_backward(ours, seed=step)
+        forward_backward(reference, seed=step)
+        optimizers.step()
+        oracle.step()
+        optimizers.zero_grad()
+        oracle.zero_grad()
+    for (name, a), b in zip(ours.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda detail: f"{name}: {detail}")
+
+
 # ---------------------------------------------------------------------------------------
 # WSD schedule
 # ---------------------------------------------------------------------------------------
 
 
-def test_reference_splits():
+def test_reference_phases():
     full = TrainConfig(total_steps=38_147, stop_at_step=38_147)
-    assert schedule_split(full) == Split(2_000, 32_332, 3_815, 34_332)
-    assert format_split(schedule_split(full)) == "2,000 warmup / 32,332 stable / 3,815 decay"
+    assert wsd_phases(full) == WSDPhases(warmup_steps=2_000, stable_steps=32_332,
+                                         decay_steps=3_815, decay_start=34_332)
+    assert format_phases(wsd_phases(full)) == "2,000 warmup / 32,332 stable / 3,815 decay"
     short = TrainConfig(total_steps=34_332, stop_at_step=34_332)
-    assert format_split(check_schedule(short)) == "2,000 warmup / 28,899 stable / 3,433 decay"
+    assert format_phases(check_schedule(short)) == "2,000 warmup / 28,899 stable / 3,433 decay"
+    assert schedule_summary(TrainConfig()) == ("2,000 warmup / 32,332 stable / 3,815 decay "
+                                               "(decay starts at step 34,332, sqrt)")
 
 
 def test_stack100m_stable_phase_run_never_leaves_peak():
     cfg = TrainConfig()  # total 38,147, stop at 34,332: the decay leg is never reached
-    assert check_schedule(cfg) == Split(2_000, 32_332, 3_815, 34_332)
+    assert check_schedule(cfg) == WSDPhases(2_000, 32_332, 3_815, 34_332)
     assert all(lr_multiplier(step, cfg) == 1.0 for step in range(2_000, cfg.stop_at_step))
     assert lr_multiplier(0, cfg) == 1 / 2_000 and lr_multiplier(1_999, cfg) == 1.0
 
@@ -338,7 +540,7 @@ def test_decay_ends_at_final_frac():
 
 def test_explicit_decay_start_moves_the_leg():
     cfg = tiny_schedule(total_steps=12, stop_at_step=9, decay_start=5)
-    assert check_schedule(cfg) == Split(2, 3, 4, 5)
+    assert check_schedule(cfg) == WSDPhases(2, 3, 4, 5)
     got = [lr_multiplier(step, cfg) for step in range(4, 10)]
     assert got == pytest.approx([1.0, 1.0, 0.75, 0.5, 0.25, 0.0])
 

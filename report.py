@@ -1,0 +1,225 @@
+"""What a run tells its user: the start-up banner, the memory estimate, and one log line per
+log step (loss, gradient norm, learning rates, tokens/s, TFLOP/s, MFU, memory, ETA) to the
+terminal, metrics.jsonl and Weights & Biases.
+
+Every value the logger gets is already global (reduced across ranks by the loop); only the
+main process writes. This file imports nothing else from stacklm: it takes a config object
+and plain numbers.
+"""
+
+import dataclasses
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+# Dense bf16 tensor-core peak per GPU (vendor datasheets, no sparsity). MFU is reported
+# against these; unknown devices and CPUs show MFU as n/a rather than a made-up number.
+PEAK_FLOPS = {
+    "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "GH200": 989e12,
+    "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "RTX 4090": 165e12,
+}
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Peak FLOP/s of one device, matched by name (longest key first), or None."""
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if key in device_name:
+            return PEAK_FLOPS[key]
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Start-up: the banner and the memory estimate
+# ---------------------------------------------------------------------------------------
+
+# Bytes saved for backward per token per block, per unit of d_model, for Stack-shaped
+# blocks (intermediate = 2.75·d_model, 4 query heads per kv head), as counted by
+# torch.autograd.graph.saved_tensors_hooks on d_model=512 blocks (tests/test_report.py
+# recounts them). bf16 autocast keeps the norms' fp32 intermediates: not half of fp32.
+ACTIVATION_BYTES_PER_D = {True: 66, False: 91}  # bf16: yes/no
+
+
+def memory_estimate(cfg, n_params: int, n_muon: int, world: int, sharded: bool,
+                    bf16: bool) -> dict[str, float]:
+    """A start-up estimate of peak memory per rank, in GiB, to set beside the measured peak
+    in the log. fp32 master weights and gradients (4 bytes each), Muon's momentum (4) and
+    AdamW's two moments (8), divided by the rank count under FSDP2; the activations of the
+    blocks that are not recomputed (a recomputed block keeps only its input, and one block
+    at a time is recomputed); one chunk of fp32 logits and their gradient."""
+    m = cfg.model
+    shard = world if sharded else 1
+    tokens = cfg.micro_batch_size * cfg.seq_len
+    block = tokens * ACTIVATION_BYTES_PER_D[bf16] * m.d_model
+    every = cfg.recompute_every
+    recomputed = m.n_layers // every if every else 0
+    block_input = tokens * m.d_model * (2 if bf16 else 4)
+    activations = (m.n_layers - recomputed) * block + recomputed * block_input \
+        + (block if recomputed else 0)
+    gib = 2**30
+    budget = {"weights+grads": 8 * n_params / shard / gib,
+              "optimizer": (4 * n_muon + 8 * (n_params - n_muon)) / shard / gib,
+              "activations": activations / gib,
+              "loss_head": 2 * min(m.ce_chunk_size, tokens) * m.vocab_size * 4 / gib}
+    budget["total"] = sum(budget.values())
+    return budget
+
+
+@dataclasses.dataclass
+class Hardware:
+    """Where a run trains, as the banner prints it."""
+    world: int  # ranks
+    device: str  # e.g. "cuda:0" or "cpu"
+    distributed: str  # accelerate's DistributedType value: NO, MULTI_GPU, FSDP, MULTI_CPU
+    precision: str  # "bf16" or "no"
+    compiled: bool
+
+
+def banner(cfg, hardware: Hardware, n_params: int, n_muon: int, optimizers: str,
+           schedule: str, flops: dict[str, float], tokens_per_epoch: int) -> str:
+    """Everything a practitioner checks before trusting a run, with units.
+
+    `optimizers` and `schedule` are the one-line summaries optim.py makes; `flops` holds
+    the FLOP/token of both conventions ("causal", "palm")."""
+    budget = memory_estimate(cfg, n_params, n_muon, hardware.world,
+                             hardware.distributed == "FSDP", hardware.precision == "bf16")
+    run_tokens = cfg.stop_at_step * cfg.global_batch_tokens
+    epochs = run_tokens / tokens_per_epoch
+    lines = [
+        f"model: {n_params / 1e6:.2f}M parameters ({optimizers})",
+        f"FLOP/token: {flops['causal']:.3e} causal, {flops['palm']:.3e} palm "
+        f"(seq {cfg.seq_len:,})",
+        f"batch: {cfg.batch_summary(hardware.world)}",
+        f"schedule: {schedule}; this run stops at step {cfg.stop_at_step:,} of "
+        f"{cfg.total_steps:,}",
+        f"data: {cfg.data_dir}, {tokens_per_epoch:,} train tokens/epoch; this run "
+        f"reads {run_tokens:,} tokens = {epochs:.2f} epochs",
+        f"hardware: {hardware.world} × {hardware.device} ({hardware.distributed}), "
+        f"precision {hardware.precision}, compile {hardware.compiled}, activation "
+        f"recompute {cfg.activation_recompute}",
+        "memory estimate per rank: " + " + ".join(
+            f"{k} {v:.2f}" for k, v in budget.items() if k != "total")
+        + f" = {budget['total']:.2f} GiB (the log's mem column is the measured peak)",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
+# The log: terminal, metrics.jsonl, wandb
+# ---------------------------------------------------------------------------------------
+
+class MetricsLogger:
+    """One line per log step to the terminal, metrics.jsonl and wandb, from the main process
+    only. A tqdm progress bar sits under the lines when stderr is a terminal; redirected to
+    a file or a scheduler's log, there is no bar and every line is a plain line."""
+
+    def __init__(self, cfg, is_main: bool, device: torch.device, world: int,
+                 flops: dict[str, float], start_step: int):
+        self.cfg, self.main, self.device, self.world = cfg, is_main, device, world
+        self.flops = flops
+        self.skipped_steps = 0  # updates skipped for a non-finite loss or grad norm, in all
+        cuda = device.type == "cuda"
+        self.peak = peak_flops(torch.cuda.get_device_name(device) if cuda else "cpu")
+        self.start = time.perf_counter()
+        self.last_step, self.last_seconds = start_step, 0.0
+        self.bar = tqdm(total=cfg.stop_at_step, initial=start_step, dynamic_ncols=True,
+                        desc="train", disable=not (is_main and sys.stderr.isatty()))
+        self.jsonl = self.wandb = None
+        if self.main:
+            Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(Path(cfg.out_dir) / "metrics.jsonl", "a")
+            if cfg.wandb_mode != "disabled":
+                import wandb
+                self.wandb = wandb.init(project=cfg.wandb_project, mode=cfg.wandb_mode,
+                                        dir=cfg.out_dir, config=dataclasses.asdict(cfg))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.bar.close()
+        if self.main:
+            self.jsonl.close()
+            if self.wandb is not None:
+                self.wandb.finish()
+
+    def print(self, line: str):
+        if self.main:  # tqdm.write prints above the bar, and plainly when there is none
+            self.bar.write(line)
+
+    def write(self, record: dict):
+        if self.main:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+            if self.wandb is not None:
+                self.wandb.log(record, step=record["step"])
+
+    def log_train(self, step: int, result: dict, lrs: dict[str, float], tokens_seen: int,
+                  train_seconds: float) -> dict:
+        """Throughput over the steps since the last line, on training time only (evaluation
+        and checkpoints excluded). TFLOP/s and MFU follow from tokens/s by construction:
+        tflops = flops_per_token × tokens/s and mfu = tflops / (peak × ranks)."""
+        steps = step - self.last_step
+        seconds = max(train_seconds - self.last_seconds, 1e-9)
+        tokens_per_s = steps * self.cfg.global_batch_tokens / seconds
+        tflops = self.flops["causal"] * tokens_per_s / 1e12
+        tflops_palm = self.flops["palm"] * tokens_per_s / 1e12
+        peak_tflops = self.peak * self.world / 1e12 if self.peak else None
+        record = {
+            "step": step, "loss": result["loss"], "ce": result["ce"], "z": result["z"],
+            "grad_norm": result["grad_norm"], **{f"lr_{k}": v for k, v in lrs.items()},
+            "tokens_seen": tokens_seen,
+            "tokens_per_s": tokens_per_s, "tflops": tflops, "tflops_palm": tflops_palm,
+            "mfu": tflops / peak_tflops if peak_tflops else None,
+            "mfu_palm": tflops_palm / peak_tflops if peak_tflops else None,
+            "memory_gib": memory_gib(self.device), "skipped_steps": self.skipped_steps,
+            "elapsed_s": time.perf_counter() - self.start,
+            "eta_s": (self.cfg.stop_at_step - step) * seconds / steps,
+        }
+        self.last_step, self.last_seconds = step, train_seconds
+        self.print(train_line(record, lrs, peak_tflops is not None))
+        self.bar.update(steps)
+        self.write(record)
+        return record
+
+    def log_eval(self, step: int, metrics: dict):
+        self.print(f"eval {step:>6,} | val_loss {metrics['val_loss']:.4f} | "
+                   f"val_bpb {metrics['val_bpb']:.4f}")
+        self.write({"step": step, "val_loss": metrics["val_loss"],
+                    "val_bpb": metrics["val_bpb"]})
+
+    def log_skipped(self, step: int, loss: float, grad_norm: float):
+        """A step whose update was skipped; `step` is numbered as the training rows are."""
+        self.skipped_steps += 1
+        self.print(f"step {step:>6,} | non-finite loss {loss} or grad norm {grad_norm}: "
+                   f"update skipped ({self.skipped_steps} skipped so far)")
+        self.write({"step": step, "skipped": True, "loss": loss, "grad_norm": grad_norm})
+
+
+def train_line(record: dict, lrs: dict[str, float], has_peak: bool) -> str:
+    """E.g. `step 100 | loss 4.2824 (ce 4.2741 z 8.27e-03) | gnorm 0.946 | lr muon 3.00e-03
+    adamw 6.00e-03 | 3,066 tok/s | 0.08 TFLOP/s | MFU n/a | mem 1.39 GiB | …`."""
+    mfu = f"{record['mfu']:.1%} ({record['mfu_palm']:.1%} palm)" if has_peak else "n/a"
+    rates = " ".join(f"{name} {lr:.2e}" for name, lr in lrs.items())
+    return (f"step {record['step']:>6,} | loss {record['loss']:.4f} (ce {record['ce']:.4f} "
+            f"z {record['z']:.2e}) | gnorm {record['grad_norm']:.3f} | lr {rates} | "
+            f"{record['tokens_per_s']:,.0f} tok/s | {record['tflops']:.2f} TFLOP/s | MFU {mfu} | "
+            f"mem {record['memory_gib']:.2f} GiB | {fmt_time(record['elapsed_s'])} elapsed, "
+            f"ETA {fmt_time(record['eta_s'])}")
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak CUDA memory allocated, or the process's peak resident memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def fmt_time(seconds: float) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    hours, m = divmod(minutes, 60)
+    return f"{hours}h{m:02d}m" if hours else f"{m}m{s:02d}s"

@@ -1,0 +1,105 @@
+"""checkpoint.py: atomic saves, finding the newest complete checkpoint, pruning, RNG state."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from accelerate import Accelerator
+
+import checkpoint
+import config
+import optim
+from model import Transformer
+
+
+def small_run():
+    """A 2-layer model with both optimizers after one step, so they hold state."""
+    cfg = config.apply_overrides(config.tiny(), {"model.n_layers": 2, "model.d_model": 64,
+                                                 "model.n_heads": 4, "model.intermediate": 128,
+                                                 "model.vocab_size": 256})
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    optimizers = optim.build_optimizers(model, cfg)
+    ids = torch.randint(0, 256, (2, 16))
+    model(ids, targets=ids).loss.backward()
+    optimizers.step()
+    return model, list(optimizers.named.values())
+
+
+def save(model, optimizers, out_dir, step, keep_last=5):
+    state = {"step": step, "tokens_seen": 0}
+    return checkpoint.save(Accelerator(cpu=True), model, optimizers, state, out_dir, keep_last)
+
+
+def test_save_load_round_trip_restores_weights_and_optimizer_state(tmp_path):
+    model, optimizers = small_run()
+    path = save(model, optimizers, tmp_path, step=1)
+    assert path == tmp_path / "ckpt" / "step_0000001"
+    fresh, fresh_optimizers = small_run()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(1.0)  # make every weight differ from the saved one
+    for opt in fresh_optimizers:
+        for state in opt.state.values():
+            for value in state.values():
+                value.add_(1.0)  # and every optimizer state
+    state = checkpoint.load(Accelerator(cpu=True), fresh, fresh_optimizers, path)
+    assert state["step"] == 1
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(),
+                            strict=True):
+        assert torch.equal(a, b), name
+    for saved, loaded in zip(optimizers, fresh_optimizers, strict=True):
+        params = [p for g in saved.param_groups for p in g["params"]]
+        fresh_params = [p for g in loaded.param_groups for p in g["params"]]
+        for p, q in zip(params, fresh_params, strict=True):
+            assert saved.state[p].keys() == loaded.state[q].keys()
+            for key, value in saved.state[p].items():
+                assert torch.equal(torch.as_tensor(value),
+                                   torch.as_tensor(loaded.state[q][key])), key
+
+
+def test_a_save_that_fails_partway_leaves_no_complete_checkpoint(tmp_path, monkeypatch):
+    """A crash after the tensors are written but before the rename: the folder on disk is
+    the .tmp one, and find() still returns the previous complete checkpoint."""
+    model, optimizers = small_run()
+    save(model, optimizers, tmp_path, step=1)
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+    monkeypatch.setattr(checkpoint, "rng_state", crash)  # called after the DCP write
+    with pytest.raises(OSError, match="disk full"):
+        save(model, optimizers, tmp_path, step=2)
+    assert checkpoint.find(tmp_path, "auto") == tmp_path / "ckpt" / "step_0000001"
+    assert not (tmp_path / "ckpt" / "step_0000002").exists()
+    assert (tmp_path / "ckpt" / "step_0000002.tmp").exists()
+
+
+def test_find_ignores_partial_checkpoints_and_save_prunes(tmp_path):
+    model, optimizers = small_run()
+    for step in (2, 4, 6):
+        save(model, optimizers, tmp_path, step=step, keep_last=2)
+    root = tmp_path / "ckpt"
+    assert sorted(p.name for p in root.iterdir()) == ["step_0000004", "step_0000006"]
+    (root / "step_0000008.tmp").mkdir()  # what a crash mid-save leaves behind
+    (root / "step_0000010").mkdir()  # a folder without train_state.json is not complete
+    assert checkpoint.find(tmp_path, "auto") == root / "step_0000006"
+    assert checkpoint.find(tmp_path, "none") is None
+    with pytest.raises(FileNotFoundError, match="train_state.json"):
+        checkpoint.find(tmp_path, str(root / "step_0000010"))
+
+
+def test_rng_state_round_trip_restores_every_generator(tmp_path):
+    """Save the state, draw from each generator, restore, draw again: the same numbers.
+    Through a weights_only torch.save/load, as a checkpoint stores it."""
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    np.random.standard_normal()  # leaves a cached gaussian in numpy's state
+    torch.save(checkpoint.rng_state(), tmp_path / "rng.pt")
+
+    def draws():
+        return (random.random(), np.random.standard_normal(), np.random.rand(),
+                torch.rand(3).tolist())
+    first = draws()
+    random.seed(99), np.random.seed(99), torch.manual_seed(99)
+    checkpoint.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert draws() == first

@@ -1,0 +1,252 @@
+"""prepare.py: prepare a tiny corpus in a temp dir, then check the shards, the tokenizer
+and the manifest against the source documents, and every kind of source and bad input."""
+
+import hashlib
+import importlib.machinery
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models
+
+import data
+import prepare
+from data import EOS_TOKEN
+# the loader tests' tiny corpus and its prepared directory (module fixtures), and their
+# plain readers of the shards: one corpus for both files
+from test_data import copy_of, corpus, documents_of, prepared, stream  # noqa: F401
+
+
+# ---------------------------------------------------------------------------------------
+# Shards, tokenizer, manifest
+# ---------------------------------------------------------------------------------------
+
+def test_shards_decode_back_to_the_source_documents(prepared, corpus):
+    manifest = data.load_manifest(prepared)
+    tokenizer = Tokenizer.from_file(data.tokenizer_path(prepared))
+    decoded = {}
+    for split in ("train", "val"):
+        docs = documents_of(stream(prepared, split), manifest["eos_id"])
+        decoded[split] = [tokenizer.decode(d, skip_special_tokens=False) for d in docs]
+        assert manifest["splits"][split]["documents"] == len(docs)
+        assert manifest["splits"][split]["tokens"] == sum(len(d) + 1 for d in docs)
+        assert manifest["splits"][split]["bytes"] == sum(len(t.encode()) for t in decoded[split])
+    expected = corpus[1]
+    assert decoded["train"] and decoded["val"]
+    assert sorted(decoded["train"] + decoded["val"]) == sorted(expected)
+    assert decoded["train"] == [t for t in expected if t in decoded["train"]]  # file order
+    # the literal "<|endoftext|>" in literal.py stayed text: no extra boundary appeared
+    assert any(EOS_TOKEN in t for t in decoded["train"] + decoded["val"])
+
+
+def test_manifest_records_shards_tokenizer_and_skips(prepared):
+    manifest = data.load_manifest(prepared)
+    assert manifest["format_version"] == data.FORMAT_VERSION
+    assert manifest["dtype"] == "uint16" and manifest["vocab_size"] <= 400
+    tokenizer = Tokenizer.from_file(str(prepared / "tokenizer.json"))
+    assert manifest["eos_id"] == tokenizer.token_to_id(EOS_TOKEN)
+    assert manifest["tokenizer"]["sha256"] == hashlib.sha256(
+        (prepared / "tokenizer.json").read_bytes()).hexdigest()
+    shards = manifest["splits"]["train"]["shards"]
+    assert len(shards) > 1 and all(s["tokens"] == 700 for s in shards[:-1])
+    for shard in shards:
+        raw = (prepared / shard["file"]).read_bytes()
+        assert shard["sha256"] == hashlib.sha256(raw).hexdigest()
+        assert len(raw) == 2 * shard["tokens"]
+    assert [Path(s["file"]).name for s in manifest["skipped_files"]] == ["latin1.py"]
+    assert "UnicodeDecodeError" in manifest["skipped_files"][0]["reason"]
+    assert not list(prepared.glob("*.tmp"))
+
+
+def test_reused_tokenizer_shares_the_vocabulary(prepared, tmp_path):
+    source = tmp_path / "notes.txt"
+    source.write_text(f"first note\n{EOS_TOKEN}second note, longer\n{EOS_TOKEN}\n")
+    manifest = prepare.prepare(str(source), str(tmp_path / "notes"),
+                            tokenizer=str(prepared / "tokenizer.json"), val_fraction=0.0)
+    assert manifest["tokenizer"]["sha256"] == data.load_manifest(prepared)["tokenizer"]["sha256"]
+    assert manifest["splits"]["train"]["documents"] == 2  # the blank tail is no document
+    tokenizer = Tokenizer.from_file(str(prepared / "tokenizer.json"))
+    docs = documents_of(stream(tmp_path / "notes", "train"), manifest["eos_id"])
+    assert [tokenizer.decode(d) for d in docs] == ["first note\n", "second note, longer\n"]
+
+
+def test_interrupted_prepare_leaves_no_manifest(prepared, corpus, tmp_path, monkeypatch):
+    out = copy_of(prepared, tmp_path)
+    real_write, calls = prepare.write_atomic, []
+
+    def dies_on_third_file(path, payload):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real_write(path, payload)
+
+    monkeypatch.setattr(prepare, "write_atomic", dies_on_third_file)
+    with pytest.raises(KeyboardInterrupt):
+        prepare.prepare(str(corpus[0]), str(out), vocab_size=300, shard_tokens=700)
+    with pytest.raises(FileNotFoundError, match="interrupted.*python prepare.py"):
+        data.load_manifest(out)
+
+
+def test_write_atomic_keeps_the_old_file_when_the_rename_fails(tmp_path, monkeypatch):
+    path = tmp_path / "shard.bin"
+    path.write_bytes(b"old")
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(prepare.os, "replace", broken_replace)
+    with pytest.raises(OSError):
+        prepare.write_atomic(path, b"new, partial")
+    assert path.read_bytes() == b"old"
+
+
+# ---------------------------------------------------------------------------------------
+# Sources
+# ---------------------------------------------------------------------------------------
+
+def test_builtin_corpus_is_the_sorted_stdlib_without_site_packages():
+    root, files = prepare.stdlib_files()
+    assert len(files) > 500 and files == sorted(files)
+    assert all(f.suffix == ".py" and "site-packages" not in f.parts for f in files)
+    assert root / "os.py" in files
+    assert prepare.builtin_data_dir(32768) == "data/stdlib-32k"
+    assert prepare.builtin_data_dir(4096) == "data/stdlib-4k"
+
+
+def test_default_source_is_the_builtin_corpus(corpus, tmp_path, monkeypatch):
+    root, _ = corpus
+    monkeypatch.setattr(prepare, "stdlib_files", lambda: (root, sorted(root.glob("mod_*.py"))))
+    manifest = prepare.prepare(out_dir=str(tmp_path / "builtin"), vocab_size=300)
+    assert manifest["source"] == f"stdlib:{root}"
+    docs = manifest["splits"]["train"]["documents"] + manifest["splits"]["val"]["documents"]
+    assert docs == 40
+
+
+def test_glob_source_selects_matching_files(corpus, tmp_path):
+    root, _ = corpus
+    manifest = prepare.prepare(str(root / "mod_1*.py"), str(tmp_path / "glob"), vocab_size=300,
+                            val_fraction=0.0)
+    assert manifest["splits"]["train"]["documents"] == 10  # mod_10.py .. mod_19.py
+
+
+def test_jsonl_source_reads_the_text_field_and_skips_bad_lines(tmp_path):
+    source = tmp_path / "docs.jsonl"
+    rows = [json.dumps({"body": f"document number {i} says hello"}) for i in range(5)]
+    source.write_text("\n".join(rows[:2] + ["{not json", json.dumps({"other": 1})] + rows[2:]))
+    manifest = prepare.prepare(str(source), str(tmp_path / "jsonl"), vocab_size=300,
+                            text_field="body", val_fraction=0.0)
+    assert manifest["splits"]["train"]["documents"] == 5
+    assert [s["file"] for s in manifest["skipped_files"]] == [f"{source}:3", f"{source}:4"]
+
+
+def fake_datasets(rows):
+    """A stand-in for the optional `datasets` package: these tests must run offline."""
+    module = types.ModuleType("datasets")
+    module.__spec__ = importlib.machinery.ModuleSpec("datasets", None)
+    module.calls = []
+
+    def load_dataset(name, split, streaming):
+        module.calls.append(("load_dataset", name, split, streaming))
+        return iter(rows)
+
+    def load_from_disk(path):
+        module.calls.append(("load_from_disk", path))
+        return {"train": list(rows)}  # a DatasetDict is a dict of splits
+
+    module.load_dataset, module.load_from_disk = load_dataset, load_from_disk
+    return module
+
+
+def test_hugging_face_sources_stream_through_the_lazy_import(tmp_path, monkeypatch):
+    rows = [{"text": f"row {i}: the quick brown fox"} for i in range(6)]
+    fake = fake_datasets(rows)
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    manifest = prepare.prepare("someone/tiny-corpus", str(tmp_path / "hub"), vocab_size=300,
+                            val_fraction=0.0)
+    assert manifest["splits"]["train"]["documents"] == 6
+    assert ("load_dataset", "someone/tiny-corpus", "train", True) in fake.calls
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "dataset_dict.json").write_text("{}")
+    manifest = prepare.prepare(str(saved), str(tmp_path / "disk"), vocab_size=300, val_fraction=0.0)
+    assert manifest["splits"]["train"]["documents"] == 6
+    assert ("load_from_disk", str(saved)) in fake.calls
+    with pytest.raises(ValueError, match="no field 'body'"):
+        prepare.prepare("someone/tiny-corpus", str(tmp_path / "f"), vocab_size=300,
+                        text_field="body")
+
+
+def test_hugging_face_name_without_datasets_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails as if not installed
+    with pytest.raises(ValueError, match="pip install datasets"):
+        prepare.prepare("someone/tiny-corpus", str(tmp_path / "x"))
+
+
+# ---------------------------------------------------------------------------------------
+# Bad input: clear errors that name the file and the fix
+# ---------------------------------------------------------------------------------------
+
+def test_empty_corpus(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="empty corpus.*holds no files"):
+        prepare.prepare(str(tmp_path / "empty"), str(tmp_path / "out"))
+    (tmp_path / "empty" / "blank.txt").write_text("  \n")
+    (tmp_path / "empty" / "binary.dat").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ValueError, match="empty corpus"):
+        prepare.prepare(str(tmp_path / "empty"), str(tmp_path / "out"))
+    with pytest.raises(ValueError, match="no file matches"):
+        prepare.prepare(str(tmp_path / "*.nothing"), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()  # refused before any work
+
+
+def test_unreadable_files_are_skipped_and_counted(corpus, tmp_path, monkeypatch):
+    root, _ = corpus
+    real_read = Path.read_bytes
+
+    def read_bytes(path):
+        if path.name == "mod_03.py":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_read(path)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    manifest = prepare.prepare(str(root), str(tmp_path / "out"), vocab_size=300)
+    reasons = {Path(s["file"]).name: s["reason"] for s in manifest["skipped_files"]}
+    assert reasons.keys() == {"latin1.py", "mod_03.py"}
+    assert "PermissionError" in reasons["mod_03.py"]
+
+
+def test_reused_tokenizer_must_exist_and_have_eos(corpus, tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.json does not exist"):
+        prepare.prepare(str(corpus[0]), str(tmp_path / "o"), tokenizer=str(tmp_path / "nope.json"))
+    plain = Tokenizer(models.BPE())
+    plain.save(str(tmp_path / "plain.json"))
+    with pytest.raises(ValueError, match="plain.json has no '<\\|endoftext\\|>'"):
+        prepare.prepare(str(corpus[0]), str(tmp_path / "o"), tokenizer=str(tmp_path / "plain.json"))
+
+
+# ---------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------
+
+def test_cli_prepares_a_directory(corpus, tmp_path):
+    out = tmp_path / "cli"
+    prepare.main(["--source", str(corpus[0]), "--out", str(out), "--vocab_size", "300",
+               "--shard_tokens", "500", "--val_fraction", "0"])
+    manifest = data.load_manifest(out)
+    assert manifest["vocab_size"] <= 300 and manifest["splits"]["val"]["documents"] == 0
+    assert all(s["tokens"] <= 500 for s in manifest["splits"]["train"]["shards"])
+    with pytest.raises(ValueError, match="also pass --out"):
+        prepare.prepare(str(corpus[0]))
+
+
+def test_cli_verify_checks_every_checksum(prepared, tmp_path, capsys):
+    prepare.main(["--verify", str(prepared)])
+    assert "verified" in capsys.readouterr().out
+    bad = copy_of(prepared, tmp_path)
+    raw = bytearray((bad / "val_00000.bin").read_bytes())
+    raw[5] ^= 1  # same size, so only the checksum can tell
+    (bad / "val_00000.bin").write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="val_00000.bin has sha256"):
+        prepare.main(["--verify", str(bad)])
