@@ -11,13 +11,19 @@
 A checkpoint is written into `step_XXXXXXX.tmp` and renamed when every rank is done, so a
 crash mid-write leaves the previous checkpoint as the newest complete one; only complete
 folders (a bare `step_` + digits name holding train_state.json) are ever resumed from.
+Nothing here runs code from a checkpoint: tensors and RNG states are read with
+torch.load(weights_only=True), and DCP's pickled `.metadata` through an allowlist.
+`StopFlag` turns a preemption's SIGTERM into "finish the step, save, exit 0".
 
 This file imports nothing else from stacklm: it takes a model, optimizers and plain values.
 """
 
 import json
+import pickle
 import random
 import shutil
+import signal
+import threading
 import warnings
 from pathlib import Path
 
@@ -32,6 +38,60 @@ from torch.distributed.tensor import DTensor
 warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single")
 
 
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file refers to code that a checkpoint never holds."""
+
+
+class DamagedCheckpointError(Exception):
+    """A checkpoint's files cannot be read: truncated, corrupt or missing."""
+
+
+# ---------------------------------------------------------------------------------------
+# Reading DCP folders without running code
+# ---------------------------------------------------------------------------------------
+
+# DCP's filesystem reader unpickles `.metadata`, and unpickling can call any importable
+# function: a crafted file would run code on resume or export. These are the only globals
+# the metadata of a DCP checkpoint refers to (read off real ones), plus torch's dtypes.
+METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "ChunkStorageMetadata", "TensorProperties",
+        "TensorStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # maps a layout's name to torch.strided etc.
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only METADATA_GLOBALS and torch dtypes."""
+
+    def __init__(self, file, path: Path):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module, name):
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if is_dtype or name in METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            f"{self.path}: refers to {module}.{name}, which DCP metadata never holds; refusing "
+            f"to read it (unpickling it could run code). Delete this checkpoint folder or "
+            f"replace it with one this trainer wrote")
+
+
+def read_dcp(state_dict: dict, path: Path):
+    """dcp.load into `state_dict` (in place, resharding as needed), after checking that the
+    folder's `.metadata` pickle refers to nothing but METADATA_GLOBALS. (DCP reads the tensor
+    files themselves with torch.load(weights_only=True).)"""
+    metadata = Path(path) / ".metadata"
+    with open(metadata, "rb") as f:
+        MetadataUnpickler(f, metadata).load()  # raises UnsafeCheckpointError before any call
+    dcp.load(state_dict, checkpoint_id=str(path))
+
+
 def ckpt_root(out_dir) -> Path:
     return Path(out_dir) / "ckpt"
 
@@ -40,6 +100,34 @@ def complete_checkpoints(out_dir) -> list[Path]:
     """The complete checkpoints in out_dir/ckpt, oldest first."""
     done = sorted(ckpt_root(out_dir).glob("step_[0-9]*[0-9]"))
     return [p for p in done if (p / "train_state.json").exists()]
+
+
+def newest(out_dir) -> str:
+    """The newest complete checkpoint's path, for messages, or "none"."""
+    done = complete_checkpoints(out_dir)
+    return str(done[-1]) if done else "none"
+
+
+def resume_candidates(out_dir, resume: str) -> list[Path]:
+    """The checkpoints to try, in order. `resume`: "auto" = every complete checkpoint in
+    out_dir, newest first (the caller falls back to older ones if one is damaged); a path =
+    that checkpoint; "none" = a fresh start, refused where it would overwrite checkpoints."""
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise ValueError(f"out_dir={out_dir} is a file, not a directory; choose another --out_dir")
+    if resume == "none":
+        if complete_checkpoints(out_dir):
+            raise ValueError(f"resume=none: out_dir={out_dir} already holds checkpoints (newest "
+                             f"{newest(out_dir)}) that a fresh run would overwrite; continue "
+                             f"them with --resume=auto, or start afresh in a new --out_dir")
+        return []
+    return complete_checkpoints(out_dir)[::-1] if resume == "auto" else [find(out_dir, resume)]
+
+
+def set_aside(out_dir, step: int, reason: str):
+    """Rename step_XXXXXXX to step_XXXXXXX.<reason>: never resumed from, never deleted."""
+    path = ckpt_root(out_dir) / f"step_{step:07d}"
+    if path.exists():
+        path.rename(path.with_name(f"{path.name}.{reason}"))
 
 
 def find(out_dir, resume: str) -> Path | None:
@@ -95,16 +183,29 @@ def save(accelerator, model, optimizers: list, train_state: dict, out_dir,
     return final
 
 
-def load(accelerator, model, optimizers: list, path: Path) -> dict:
-    """Restore the weights, both optimizers and this rank's RNG from `path`; return its
-    train_state for the caller to restore the step, the counters and the data cursor. The
-    rank count may differ from the saving run's: DCP reshards the tensors."""
-    state = json.loads((Path(path) / "train_state.json").read_text())
-    read_weights_and_optimizers(model, [unwrapped_optimizer(o) for o in optimizers], path)
-    rng_file = Path(path) / f"rng_rank{accelerator.process_index}.pt"
-    if rng_file.exists():  # absent when resuming on more ranks than saved
-        set_rng_state(torch.load(rng_file, weights_only=True))
-    return state
+def read_train_state(path: Path) -> dict:
+    """The checkpoint's train_state.json; DamagedCheckpointError if it cannot be read."""
+    try:
+        return json.loads((Path(path) / "train_state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise DamagedCheckpointError(f"{path}: train_state.json: {e}") from e
+
+
+def load(accelerator, model, optimizers: list, path: Path):
+    """Restore the weights, both optimizers and this rank's RNG from `path`. The rank count
+    may differ from the saving run's: DCP reshards the tensors. A folder whose files are
+    truncated or corrupt raises DamagedCheckpointError (what was read in place is then
+    partial: load another checkpoint over it, which rewrites every tensor)."""
+    try:
+        read_weights_and_optimizers(model, [unwrapped_optimizer(o) for o in optimizers], path)
+        rng_file = Path(path) / f"rng_rank{accelerator.process_index}.pt"
+        if rng_file.exists():  # absent when resuming on more ranks than saved
+            set_rng_state(torch.load(rng_file, weights_only=True))
+    except UnsafeCheckpointError:
+        raise
+    except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException
+        reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise DamagedCheckpointError(f"{path}: {reason}") from e
 
 
 def write_weights_and_optimizers(model, optimizers: list, path: Path):
@@ -118,8 +219,15 @@ def write_weights_and_optimizers(model, optimizers: list, path: Path):
 def read_weights_and_optimizers(model, optimizers: list, path: Path):
     model_sd, optim_sd = get_state_dict(model, optimizers)
     sd = {"model": model_sd, "optim": optim_sd}
-    dcp.load(sd, checkpoint_id=str(path))  # fills sd in place, resharding as needed
+    read_dcp(sd, path)
+    # Loading optimizer state also restores every param-group value the checkpoint saved
+    # (peak_lr, weight_decay, betas, ...). The config of this run wins: put them back.
+    settings = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups]
+                for o in optimizers]
     set_state_dict(model, optimizers, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    for optimizer, groups in zip(optimizers, settings, strict=True):
+        for group, values in zip(optimizer.param_groups, groups, strict=True):
+            group.update(values)
 
 
 def rng_state() -> dict:
@@ -145,7 +253,7 @@ def export(ckpt: Path, model, model_config: dict, tokenizer_file, out_dir) -> Pa
     consolidated file that sample.py loads, whatever the rank count that trained it.
     `model` is a freshly built model of the checkpoint's shape, filled from the checkpoint."""
     sd = {"model": model.state_dict()}
-    dcp.load(sd, checkpoint_id=str(ckpt))  # reads only the model part
+    read_dcp(sd, ckpt)  # reads only the model part
     out = Path(out_dir) / "export"
     tmp = out.with_name("export.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -156,3 +264,28 @@ def export(ckpt: Path, model, model_config: dict, tokenizer_file, out_dir) -> Pa
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+class StopFlag:
+    """SIGTERM (a scheduler's preemption) or Ctrl-C asks the loop to finish its step, save
+    and exit 0; a second Ctrl-C interrupts at once. The old handlers come back on exit."""
+
+    def __init__(self):
+        self.requested, self.previous = False, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # signals need it
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self.previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def tensor(self, device) -> torch.Tensor:
+        return torch.tensor([float(self.requested)], device=device)

@@ -11,6 +11,8 @@ This file imports nothing else from stacklm.
 import argparse
 import dataclasses
 import difflib
+import json
+import math
 import shlex
 import tomllib
 import types
@@ -27,6 +29,7 @@ def knob(default, description: str):
 CHOICES = {"decay_shape": ("linear", "sqrt", "cosine"),
            "compile_model": ("auto", "true", "false"),
            "mixed_precision": ("auto", "bf16", "no"),
+           "loss_head_dtype": ("fp32", "bf16"),
            "muon_adjust_lr": ("match_rms_adamw", "original"),
            "matrix_optimizer": ("muon", "adamw"),
            "wandb_mode": ("disabled", "offline", "online")}
@@ -136,6 +139,8 @@ class TrainConfig:
     seed: int = knob(1337, "seeds the initial weights, the data order and the sample")
     compile_model: str = knob("auto", "torch.compile the model (auto: on CUDA only)")
     mixed_precision: str = knob("auto", "autocast (auto: bf16 on CUDA, no on CPU)")
+    loss_head_dtype: str = knob("fp32", "loss-head matmul inputs; bf16 keeps fp32 accumulation, "
+                                        "logits and logsumexp")
     activation_recompute: str = knob("none", "none | full | every-N: blocks recomputed in "
                                              "backward instead of stored")
     # logging, evaluation, checkpoints
@@ -162,8 +167,14 @@ class TrainConfig:
                     "stop_at_step", "log_every", "eval_every", "eval_tokens", "ckpt_every",
                     "keep_last_ckpts", "max_bad_steps", "adamw_peak_lr", "muon_peak_lr"]
         for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):  # `value <= 0` would let NaN through
+                raise ValueError(f"{name}={value} must be a positive, finite number")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas={self.betas} must be two numbers in [0, 1), e.g. "
+                             f"--betas=0.9,0.95 (AdamW's beta1, beta2)")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ValueError(f"muon_momentum={self.muon_momentum} must be within [0, 1)")
         if self.seq_len > self.model.max_seq_len:
             raise ValueError(f"seq_len={self.seq_len} exceeds model.max_seq_len="
                              f"{self.model.max_seq_len}; lower seq_len or raise max_seq_len")
@@ -175,8 +186,10 @@ class TrainConfig:
             raise ValueError(f"decay_fraction={self.decay_fraction} must be within [0, 1]")
         if not 0.0 <= self.final_frac <= 1.0:
             raise ValueError(f"final_frac={self.final_frac} must be within [0, 1]")
-        if self.weight_decay < 0 or self.grad_clip < 0 or self.warmup_steps < 0:
-            raise ValueError("weight_decay, grad_clip and warmup_steps must be >= 0")
+        for name in ("weight_decay", "grad_clip", "warmup_steps"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name}={value} must be a finite number >= 0")
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
@@ -223,6 +236,31 @@ class TrainConfig:
                 f"{self.micro_batch_size} micro × {accum} accum × {world_size} {ranks}")
 
 
+# What a resume may not change: the model's shape (the weights would not fit), the data and
+# the order it is read in (the loader's cursor counts windows of this data, this seq_len and
+# this seed's shuffle), and which optimizer holds the matrices (its state is in the
+# checkpoint). Every other knob given on a resume's command line takes effect.
+FIXED_ON_RESUME = ("model.", "data_dir", "seq_len", "seed", "matrix_optimizer")
+
+
+def resume_changes(cfg: TrainConfig, saved: dict) -> list[tuple[str, object, object]]:
+    """(knob, checkpoint's value, this run's value) for each knob that differs from the
+    checkpoint's config `saved`; a ValueError naming every fixed knob that differs."""
+    def flat(config: dict) -> dict:
+        model = config.pop("model")
+        return {**config, **{f"model.{k}": v for k, v in model.items()}}
+    ours = flat(json.loads(json.dumps(dataclasses.asdict(cfg))))  # tuples compare as lists
+    theirs = flat(dict(saved))
+    changed = [(k, theirs.get(k), v) for k, v in ours.items()
+               if k != "resume" and theirs.get(k, v) != v]
+    fixed = [f"{k} {old!r} → {new!r}" for k, old, new in changed if k.startswith(FIXED_ON_RESUME)]
+    if fixed:
+        raise ValueError(f"resume: {', '.join(fixed)} cannot change on a resume (the weights, "
+                         f"the data order and the optimizer state are the checkpoint's); "
+                         f"resume with the checkpoint's values or start a fresh --out_dir")
+    return changed
+
+
 def stack100m() -> TrainConfig:
     """The reference run: 524,288 tokens/step, stopped at the end of the stable phase."""
     return TrainConfig()
@@ -267,6 +305,33 @@ def _parse_value(text: str, kind, key: str):
         raise ValueError(f"--{key}={text!r}: expected {kind.__name__}") from None
 
 
+def _check_type(value, kind, key: str):
+    """A value that arrived typed (from TOML) must already be of the field's type: TOML's
+    `eval_tokens = 1e3` is a float and `betas = 0.9` a single number, and neither should
+    slip past the conversion the command line gets. An int is accepted for a float."""
+    optional = isinstance(kind, types.UnionType)
+    if optional:
+        if value is None:
+            return None
+        kind = next(k for k in typing.get_args(kind) if k is not type(None))
+    if typing.get_origin(kind) is tuple:
+        ok = isinstance(value, (list, tuple)) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        expected = "a list of numbers, e.g. [0.9, 0.95]"
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        expected = "a number"
+    else:
+        ok = type(value) is kind
+        expected = {int: "an integer", bool: "true or false",
+                    str: "a quoted string"}.get(kind, kind.__name__)
+        if kind is int and isinstance(value, float) and value.is_integer():
+            expected += f" (write {int(value)}, not {value!r}: TOML reads 1e3 as a float)"
+    if not ok:
+        raise ValueError(f"{key} = {value!r}: expected {expected}")
+    return tuple(value) if typing.get_origin(kind) is tuple else value
+
+
 def _unknown_key(key: str, known: list[str]) -> ValueError:
     close = difflib.get_close_matches(key, known, n=1)
     hint = f"; did you mean --{close[0]}?" if close else "; see --help for every knob"
@@ -286,7 +351,7 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, typing.Any]) -> Train
         if name not in types_ or name == "model":
             raise _unknown_key(key, known)
         target[name] = _parse_value(value, types_[name], key) if isinstance(value, str) \
-            and types_[name] is not str else value
+            and types_[name] is not str else _check_type(value, types_[name], key)
     new_model = dataclasses.replace(cfg.model, **model)
     return dataclasses.replace(cfg, model=new_model, **top)
 
@@ -336,6 +401,8 @@ def parse_args(argv: list[str] | None = None, default_preset: str = "stack100m")
     parser.add_argument("--config", metavar="RUN.TOML", help="TOML file of overrides")
     parser.add_argument("--export", action="store_true",
                         help="write out_dir/export/ from the newest checkpoint and exit")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error, not just its message")
     args, rest = parser.parse_known_args(argv)
     cfg = PRESETS[args.preset or default_preset]()
     overrides = {}
@@ -343,6 +410,10 @@ def parse_args(argv: list[str] | None = None, default_preset: str = "stack100m")
         try:
             with open(args.config, "rb") as f:
                 overrides.update(_flatten_toml(tomllib.load(f)))
+        except FileNotFoundError:
+            raise ValueError(f"--config {args.config}: no such file; give the path of a TOML "
+                             f"file whose keys are TrainConfig's (model keys under [model]), "
+                             f"see --help") from None
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"--config {args.config}: {e}") from None
     for item in rest:

@@ -38,7 +38,10 @@ silently reading other windows.
 
 On disk. `python prepare.py` writes a directory once, offline (its docstring lists the
 files): tokenizer.json, manifest.json and {train,val}_NNNNN.bin shards of raw token ids.
-This file only reads it, and checks it: shard sizes at start-up, every sha256 in verify().
+This file only reads it, and checks it before training on it: the first time a process
+opens a split, each shard's size, sha256 and largest id are checked against the manifest
+(check_shards), so a flipped byte or a foreign shard fails at start-up, not as a quietly
+wrong run or an IndexError deep in the model. fingerprint() names a prepared dataset.
 
 This file imports nothing else from stacklm.
 """
@@ -46,7 +49,9 @@ This file imports nothing else from stacklm.
 import bisect
 import hashlib
 import json
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +63,9 @@ EOS_TOKEN = "<|endoftext|>"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
+
+VERIFY_CHUNK_BYTES = 8 << 20  # read, hash and scan a shard this much at a time
+VERIFY_THREADS = 8  # shards hashed at once: hashlib and numpy release the GIL
 
 
 # ---------------------------------------------------------------------------------------
@@ -80,6 +88,7 @@ class PackedShardLoader:
         self.manifest = load_manifest(data_dir)
         self.eos_id = self.manifest["eos_id"]
         shards = shard_paths(data_dir, self.manifest, split)
+        check_shards(data_dir, self.manifest, shards)  # once per process: see check_shards
         # plain ndarray views of the maps: slicing the np.memmap subclass costs µs per row
         self.shards = [np.memmap(path, dtype=self.manifest["dtype"], mode="r").view(np.ndarray)
                        for path, _ in shards]
@@ -198,6 +207,9 @@ class PackedShardLoader:
 def load_manifest(data_dir) -> dict:
     """data_dir's manifest.json, after checking it is complete and in the format read here."""
     path = Path(data_dir) / MANIFEST
+    if Path(data_dir).is_file():
+        raise NotADirectoryError(f"data directory {data_dir} is a file; pass the directory "
+                                 f"`python prepare.py` wrote (it holds {MANIFEST})")
     if not Path(data_dir).is_dir():
         raise FileNotFoundError(f"data directory {data_dir} does not exist; create it with "
                                 f"`{_prepare_hint(data_dir)}`")
@@ -270,18 +282,83 @@ def shard_paths(data_dir, manifest: dict, split: str) -> list[tuple[Path, dict]]
     return shards
 
 
+# Shards checked in this process, keyed by what a change to the file would change and by
+# what it was checked against: the val loader, rebuilt at every evaluation, must not hash
+# again. (A same-size rewrite inside one filesystem timestamp tick keeps its key; this is a
+# guard against accidents, and `prepare.py --verify` always hashes.)
+_verified_shards: set[tuple] = set()
+
+
+def check_shards(data_dir, manifest: dict, shards: list[tuple[Path, dict]], remember=True):
+    """Refuse a shard whose sha256 differs from the manifest's or that holds an id >=
+    vocab_size: the first is a changed file, the second an IndexError deep in the model.
+    One streaming pass per file, several files at once; with `remember`, files already
+    checked in this process and unchanged since are skipped."""
+    todo = []
+    for path, entry in shards:
+        stat = path.stat()
+        key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino,
+               entry["sha256"], manifest["vocab_size"], manifest["dtype"])
+        if not (remember and key in _verified_shards):
+            todo.append((path, entry, key))
+    if not todo:
+        return
+    dtype = np.dtype(manifest["dtype"])
+    pool = ThreadPoolExecutor(min(len(todo), VERIFY_THREADS, os.cpu_count() or 1))
+    try:
+        scans = pool.map(lambda item: scan_shard(item[0], dtype), todo)
+        for (path, entry, key), (digest, largest) in zip(todo, scans, strict=True):
+            check_shard(data_dir, manifest, path, entry, digest, largest)
+            _verified_shards.add(key)
+    finally:
+        pool.shutdown(cancel_futures=True)  # a bad shard need not wait for the rest
+
+
+def scan_shard(path: Path, dtype: np.dtype) -> tuple[str, int]:
+    """(sha256 hex digest, largest token id or -1 if empty) of one shard file, reading it
+    once: each chunk is hashed and scanned while it is in the CPU cache."""
+    digest, largest = hashlib.sha256(), -1
+    buffer = bytearray(VERIFY_CHUNK_BYTES)  # a multiple of every itemsize
+    with open(path, "rb") as f:
+        while n := f.readinto(buffer):  # buffered readinto fills up to EOF
+            chunk = memoryview(buffer)[:n]
+            digest.update(chunk)
+            ids = np.frombuffer(chunk, dtype=dtype, count=n // dtype.itemsize)
+            if len(ids):
+                largest = max(largest, int(ids.max()))
+    return digest.hexdigest(), largest
+
+
+def check_shard(data_dir, manifest: dict, path: Path, entry: dict, digest: str, largest: int):
+    if digest != entry["sha256"]:
+        raise ValueError(f"{path}: sha256 does not match {MANIFEST} (the file changed after it "
+                         f"was prepared: {digest[:12]}... vs {entry['sha256'][:12]}...); rerun "
+                         f"`{_prepare_hint(data_dir)}` or restore the file")
+    vocab_size = manifest["vocab_size"]
+    if largest >= vocab_size:
+        raise ValueError(f"{path} holds token id {largest} but the tokenizer has "
+                         f"{vocab_size:,} ids (0..{vocab_size - 1:,}), so the model's embedding "
+                         f"has no row for it: the shard was encoded with another tokenizer or "
+                         f"{MANIFEST} was edited; rerun `{_prepare_hint(data_dir)}`")
+
+
 def verify(data_dir):
-    """Check the sha256 of every shard and of the tokenizer against the manifest."""
+    """Check every shard (sha256 and id range) and the tokenizer's sha256 against the
+    manifest, hashing every file again even if this process checked it already."""
     manifest = load_manifest(data_dir)
     for split in manifest["splits"]:
-        for path, entry in shard_paths(data_dir, manifest, split):
-            with open(path, "rb") as f:
-                digest = hashlib.file_digest(f, "sha256").hexdigest()
-            if digest != entry["sha256"]:
-                raise ValueError(f"shard {path} has sha256 {digest[:12]}... but the manifest "
-                                 f"records {entry['sha256'][:12]}... (corrupted or replaced); "
-                                 f"rerun `{_prepare_hint(data_dir)}`")
+        check_shards(data_dir, manifest, shard_paths(data_dir, manifest, split), remember=False)
     tokenizer_path(data_dir)
+
+
+def fingerprint(manifest: dict) -> str:
+    """The identity of a prepared dataset: a sha256 over the tokenizer's hash and every
+    shard's (split, file, sha256, tokens) in manifest order. Equal fingerprints mean the
+    same token streams under the same tokenizer; train.py compares it on resume."""
+    shards = [[split, shard["file"], shard["sha256"], shard["tokens"]]
+              for split, info in manifest["splits"].items() for shard in info["shards"]]
+    identity = json.dumps([manifest["tokenizer"]["sha256"], shards])  # unambiguous framing
+    return hashlib.sha256(identity.encode()).hexdigest()
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

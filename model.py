@@ -251,23 +251,31 @@ class ChunkedCrossEntropyZLoss(torch.autograd.Function):
     (g = upstream grad × 1/N_valid for "mean", 0 on ignored rows):
         loss = g · (lse − l_y + z·lse²)
         dloss/dl = g · (p · (1 + 2z·lse) − onehot(y))
+
+    head_dtype="bf16" rounds the operands of the chunk matmuls (hidden and weight; in
+    backward also dlogits) to bf16, the tensor cores' fast input, but every matmul still
+    accumulates and writes fp32 (`head_matmul`), and logits, softmax, logsumexp and the loss
+    stay fp32: the only new error is the operands' rounding, at most 2^-8 relative each.
+    "fp32" keeps fp32 operands (which CUDA runs as TF32 under the trainer's matmul setting).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, z_loss, chunk_size, ignore_index, reduction):
+    def forward(ctx, hidden, weight, targets, z_loss, chunk_size, ignore_index, reduction,
+                head_dtype):
         # Autocast would run the head matmul in bf16; the logits must be fp32.
         with torch.autocast(hidden.device.type, enabled=False):
-            dtype = torch.promote_types(hidden.dtype, torch.float32)
-            w = weight.to(dtype)  # (V, C)
+            dtype = torch.promote_types(hidden.dtype, torch.float32)  # logits, lse, grads
+            operand = torch.bfloat16 if head_dtype == "bf16" else dtype  # matmul inputs
+            w = weight.to(operand)  # (V, C)
             valid = targets != ignore_index  # (N,)
             safe_targets = targets.masked_fill(~valid, 0)  # any real index; masked below
             lse = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
             target_logit = torch.empty_like(lse)
-            buffer = chunk_buffer(hidden, w, chunk_size)
+            buffer = chunk_buffer(hidden, w, chunk_size, dtype)
             for start in range(0, hidden.shape[0], chunk_size):
                 rows = slice(start, start + chunk_size)
-                h = hidden[rows].to(dtype)  # (chunk, C)
-                logits = torch.mm(h, w.T, out=buffer[: h.shape[0]])  # (chunk, V)
+                h = hidden[rows].to(operand)  # (chunk, C)
+                logits = head_matmul(h, w.T, dtype, out=buffer[: h.shape[0]])  # (chunk, V)
                 target_logit[rows] = logits.gather(1, safe_targets[rows, None]).squeeze(1)
                 # logsumexp in place: torch.logsumexp would allocate a second (chunk, V).
                 row_max = logits.amax(dim=-1, keepdim=True)  # (chunk, 1)
@@ -277,8 +285,8 @@ class ChunkedCrossEntropyZLoss(torch.autograd.Function):
             ce = torch.where(valid, lse - target_logit, 0.0).sum() / divisor
             z = torch.where(valid, z_loss * lse.square(), 0.0).sum() / divisor
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.z_loss, ctx.chunk_size, ctx.ignore_index, ctx.divisor = (
-            z_loss, chunk_size, ignore_index, divisor)
+        ctx.z_loss, ctx.chunk_size, ctx.ignore_index, ctx.divisor, ctx.head_dtype = (
+            z_loss, chunk_size, ignore_index, divisor, head_dtype)
         ctx.mark_non_differentiable(ce, z)
         return ce + z, ce, z
 
@@ -286,37 +294,56 @@ class ChunkedCrossEntropyZLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_ce, _grad_z):
         hidden, weight, targets, lse = ctx.saved_tensors
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(lse.dtype)  # (V, C)
+            dtype = lse.dtype
+            operand = torch.bfloat16 if ctx.head_dtype == "bf16" else dtype
+            w = weight.to(operand)  # (V, C)
             valid = targets != ctx.ignore_index
             safe_targets = targets.masked_fill(~valid, 0)
             g = torch.where(valid, grad_loss / ctx.divisor, 0.0)  # (N,) each row's weight
             softmax_scale = g * (1 + 2 * ctx.z_loss * lse)  # (N,)
             grad_hidden = torch.empty_like(hidden)
-            grad_weight = torch.zeros_like(w)  # (V, C), accumulated in fp32 (or fp64)
-            buffer = chunk_buffer(hidden, w, ctx.chunk_size)
+            # (V, C), accumulated in fp32 (or fp64)
+            grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+            buffer = chunk_buffer(hidden, w, ctx.chunk_size, dtype)
             for start in range(0, hidden.shape[0], ctx.chunk_size):
                 rows = slice(start, start + ctx.chunk_size)
-                h = hidden[rows].to(lse.dtype)  # (chunk, C)
+                h = hidden[rows].to(operand)  # (chunk, C)
                 # In place, so one (chunk, V) buffer goes logits -> softmax -> dlogits.
-                dlogits = torch.mm(h, w.T, out=buffer[: h.shape[0]])  # (chunk, V) logits
+                dlogits = head_matmul(h, w.T, dtype, out=buffer[: h.shape[0]])  # logits
                 dlogits.sub_(lse[rows, None]).exp_()  # softmax
                 dlogits.mul_(softmax_scale[rows, None])
                 dlogits.scatter_add_(1, safe_targets[rows, None], -g[rows, None])
-                grad_hidden[rows] = dlogits @ w  # (chunk, C)
-                # In place; the out= form, unlike addmm_, is seen by FlopCounterMode.
-                torch.addmm(grad_weight, dlogits.T, h, out=grad_weight)  # (V, C)
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+                dlogits = dlogits.to(operand)  # (chunk, V); bf16 head: rounded here
+                grad_hidden[rows] = head_matmul(dlogits, w, dtype)  # (chunk, C)
+                if operand == dtype:
+                    # In place; the out= form, unlike addmm_, is seen by FlopCounterMode.
+                    torch.addmm(grad_weight, dlogits.T, h, out=grad_weight)  # (V, C)
+                else:  # CUDA's bf16 addmm cannot add into fp32: the product, then the sum
+                    grad_weight += head_matmul(dlogits.T, h, dtype)  # (V, C)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None
 
 
-def chunk_buffer(hidden, weight, chunk_size: int):
+def chunk_buffer(hidden, weight, chunk_size: int, dtype: torch.dtype):
     """One (chunk, V) buffer reused by every chunk: on CPU a fresh one per chunk made the
     head matmul ~35% slower (the allocator hands back new pages that must be faulted in)."""
     rows = min(chunk_size, hidden.shape[0])
-    return torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=weight.device)
+    return torch.empty(rows, weight.shape[0], dtype=dtype, device=weight.device)
+
+
+def head_matmul(a, b, dtype: torch.dtype, out=None):
+    """a @ b accumulated and written in `dtype` (fp32; fp64 under gradcheck), whatever a's
+    and b's dtype, so bf16 operands still give fp32 logits and gradients. On CUDA,
+    torch.mm's out_dtype runs one bf16 tensor-core GEMM that writes its fp32 accumulator
+    unrounded. torch 2.13 has that kernel on CUDA only, so elsewhere the operands are
+    upcast first: every bf16 number is exact in fp32, so the result is the same up to the
+    order of summation, only slower."""
+    if a.is_cuda and a.dtype == torch.bfloat16 and dtype == torch.float32:
+        return torch.mm(a, b, out_dtype=dtype, out=out)
+    return torch.mm(a.to(dtype), b.to(dtype), out=out)
 
 
 def fused_ce_z_loss(hidden, weight, targets, z_loss: float, chunk_size: int,
-                    ignore_index: int = -100, reduction: str = "mean"):
+                    ignore_index: int = -100, reduction: str = "mean", head_dtype: str = "fp32"):
     """Cross-entropy of `hidden @ weight.T` against `targets`, plus PaLM's z-loss
     z_loss·logsumexp² (arXiv 2204.02311, §5), which keeps the softmax normaliser near 1 and
     the logits from drifting in bf16.
@@ -324,12 +351,15 @@ def fused_ce_z_loss(hidden, weight, targets, z_loss: float, chunk_size: int,
     hidden (N, C), weight (V, C), targets (N,). Returns (loss, ce, z): `loss` = ce + z is
     differentiable (gradients for hidden and weight, in their dtypes); `ce` and `z` are
     detached, for logging. "mean" divides by the number of non-ignored targets, "sum" does
-    not (the trainer normalises by the global token count itself).
+    not (the trainer normalises by the global token count itself). `head_dtype` "bf16" runs
+    the head matmuls on bf16 operands with fp32 accumulation (see ChunkedCrossEntropyZLoss).
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction={reduction!r} must be 'mean' or 'sum'")
+    if head_dtype not in ("fp32", "bf16"):
+        raise ValueError(f"head_dtype={head_dtype!r} must be 'fp32' or 'bf16'")
     return ChunkedCrossEntropyZLoss.apply(hidden, weight, targets, z_loss, chunk_size,
-                                          ignore_index, reduction)
+                                          ignore_index, reduction, head_dtype)
 
 
 # ---------------------------------------------------------------------------------------
@@ -352,7 +382,8 @@ class Transformer(nn.Module):
     activation checkpointing): every `recompute_every`-th block (blocks 0, N, 2N, …) keeps
     only its input and recomputes its activations in backward; 0 = none, 1 = every block.
     It costs ~1/3 more compute and lets the default shape fit 24 GB and 16 GB GPUs. The
-    trainer sets it from TrainConfig.activation_recompute.
+    trainer sets it from TrainConfig.activation_recompute, and `loss_head_dtype` ("fp32" or
+    "bf16", the loss head's matmul operands) from TrainConfig.loss_head_dtype.
     """
 
     def __init__(self, cfg: StackConfig):
@@ -362,6 +393,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.recompute_every = 0
+        self.loss_head_dtype = "fp32"
         self.init_weights()
 
     @torch.no_grad()
@@ -400,7 +432,8 @@ class Transformer(nn.Module):
         x = self.hidden_states(input_ids, position_ids, seq_ids)  # (B, T, C)
         return Loss(*fused_ce_z_loss(x.reshape(B * T, -1), self.embed.weight,
                                      targets.reshape(B * T), self.cfg.z_loss,
-                                     self.cfg.ce_chunk_size, reduction=reduction))
+                                     self.cfg.ce_chunk_size, reduction=reduction,
+                                     head_dtype=self.loss_head_dtype))
 
     def logits(self, input_ids, position_ids=None, seq_ids=None, last_only=False):
         """fp32 logits (B, T, V), or (B, 1, V) of the last position with last_only."""

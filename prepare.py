@@ -4,6 +4,9 @@
     python prepare.py --source "corpus/*.txt" --out data/mycorpus
     python prepare.py --verify data/mycorpus           # sha256 of every shard and the tokenizer
 
+A bad argument (a missing --source, an --out that is a file, a --verify directory that was
+never prepared) is one line on stderr and exit status 2; --debug shows the traceback.
+
 It writes the format data.py reads, into one directory per corpus:
 
     data/<name>/tokenizer.json      byte-level BPE with one special token, EOS_TOKEN
@@ -38,6 +41,7 @@ from data import EOS_TOKEN, FORMAT_VERSION, MANIFEST, TOKENIZER_FILE, token_dtyp
 
 DEFAULT_SHARD_TOKENS = 2**26  # 128 MiB of uint16 per file
 ENCODE_CHUNK_CHARS = 4 << 20  # text handed to the parallel encoder at once
+TEXT_SUFFIXES = {".txt", ".jsonl", ".json", ".py", ".md"}  # a --source with one is a path
 
 
 # ---------------------------------------------------------------------------------------
@@ -53,6 +57,7 @@ def prepare(source=None, out_dir=None, vocab_size=32768, tokenizer=None, text_fi
         raise ValueError("prepare: with a --source, also pass --out DIR (the default "
                          "directory names the built-in corpus)")
     out_dir = Path(out_dir or builtin_data_dir(vocab_size))
+    check_out_dir(out_dir)
     if vocab_size < 257 or shard_tokens < 1 or not 0 <= val_fraction < 1:
         raise ValueError(f"prepare: need vocab_size >= 257 (256 bytes + EOS), got {vocab_size}; "
                          f"shard_tokens >= 1, got {shard_tokens}; 0 <= val_fraction < 1, got "
@@ -104,6 +109,16 @@ def prepare(source=None, out_dir=None, vocab_size=32768, tokenizer=None, text_fi
     return manifest
 
 
+def check_out_dir(out_dir: Path):
+    """Fail before any work when out_dir cannot be a directory: it, or a parent, is a file."""
+    for path in (out_dir, *out_dir.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise NotADirectoryError(f"--out {out_dir}: {path} is a file, not a directory; "
+                                         f"pass a directory path (created if missing)")
+            return
+
+
 def print_summary(out_dir, manifest: dict, tokenizer_s: float, total_s: float):
     train, val = manifest["splits"]["train"], manifest["splits"]["val"]
     print(f"data: prepared {out_dir} in {total_s:.1f}s (tokenizer {tokenizer_s:.1f}s, encoding "
@@ -152,11 +167,22 @@ def find_source(source: str | None) -> tuple[Path | None, list[Path]]:
             raise ValueError(f"empty corpus: no file matches the glob {source!r}; check the "
                              f"pattern (quote it so the shell does not expand it)")
         return Path(os.path.commonpath([p.parent for p in files])), files
+    if not path.exists() and looks_local(source):
+        raise FileNotFoundError(f"--source {source}: no such file or directory; pass a "
+                                f"directory of text files, a file, a quoted glob, or a Hugging "
+                                f"Face dataset name such as org/name")
     if importlib.util.find_spec("datasets") is None:
         raise ValueError(f"--source {source!r} is not a file, directory or glob match, so it "
                          f"would be read as a Hugging Face dataset, but the optional `datasets` "
                          f"package is not installed; `pip install datasets` or fix the path")
     return None, []
+
+
+def looks_local(source: str) -> bool:
+    """A path, not a hub name: hub names are `name` or `org/name`, never absolute, never
+    starting with . or ~, never with a backslash, two slashes or a text file's suffix."""
+    return (Path(source).is_absolute() or source.startswith((".", "~")) or "\\" in source
+            or source.count("/") > 1 or Path(source).suffix in TEXT_SUFFIXES)
 
 
 def file_documents(path: Path, root: Path, text_field: str, skipped: list):
@@ -362,13 +388,22 @@ def main(argv=None):
                         help="share of documents, picked by a hash of their name, for val")
     parser.add_argument("--verify", metavar="DIR",
                         help="check the sha256 of DIR's shards and tokenizer, then exit")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error, not just its message")
     args = parser.parse_args(argv)
-    if args.verify:
-        verify(args.verify)
-        print(f"data: {args.verify} verified: every shard and the tokenizer match manifest.json")
-        return
-    prepare(args.source, args.out, args.vocab_size, args.tokenizer, args.text_field,
-            args.shard_tokens, args.val_fraction)
+    try:
+        if args.verify:
+            verify(args.verify)
+            print(f"data: {args.verify} verified: every shard and the tokenizer match "
+                  f"manifest.json")
+            return
+        prepare(args.source, args.out, args.vocab_size, args.tokenizer, args.text_field,
+                args.shard_tokens, args.val_fraction)
+    except (ValueError, OSError) as e:  # user errors: one line, no traceback
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ and plain numbers.
 
 import dataclasses
 import json
+import math
 import resource
 import sys
 import time
@@ -121,7 +122,6 @@ class MetricsLogger:
                  flops: dict[str, float], start_step: int):
         self.cfg, self.main, self.device, self.world = cfg, is_main, device, world
         self.flops = flops
-        self.skipped_steps = 0  # updates skipped for a non-finite loss or grad norm, in all
         cuda = device.type == "cuda"
         self.peak = peak_flops(torch.cuda.get_device_name(device) if cuda else "cpu")
         self.start = time.perf_counter()
@@ -152,14 +152,18 @@ class MetricsLogger:
             self.bar.write(line)
 
     def write(self, record: dict):
+        """One JSON object per line. NaN and inf (a skipped step's loss) are not JSON: they
+        are written as null, so every line parses with any JSON reader."""
+        record = {k: v if not isinstance(v, float) or math.isfinite(v) else None
+                  for k, v in record.items()}
         if self.main:
-            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.write(json.dumps(record, allow_nan=False) + "\n")
             self.jsonl.flush()
             if self.wandb is not None:
                 self.wandb.log(record, step=record["step"])
 
     def log_train(self, step: int, result: dict, lrs: dict[str, float], tokens_seen: int,
-                  train_seconds: float) -> dict:
+                  skipped_steps: int, train_seconds: float) -> dict:
         """Throughput over the steps since the last line, on training time only (evaluation
         and checkpoints excluded). TFLOP/s and MFU follow from tokens/s by construction:
         tflops = flops_per_token × tokens/s and mfu = tflops / (peak × ranks)."""
@@ -176,7 +180,7 @@ class MetricsLogger:
             "tokens_per_s": tokens_per_s, "tflops": tflops, "tflops_palm": tflops_palm,
             "mfu": tflops / peak_tflops if peak_tflops else None,
             "mfu_palm": tflops_palm / peak_tflops if peak_tflops else None,
-            "memory_gib": memory_gib(self.device), "skipped_steps": self.skipped_steps,
+            "memory_gib": memory_gib(self.device), "skipped_steps": skipped_steps,
             "elapsed_s": time.perf_counter() - self.start,
             "eta_s": (self.cfg.stop_at_step - step) * seconds / steps,
         }
@@ -192,11 +196,10 @@ class MetricsLogger:
         self.write({"step": step, "val_loss": metrics["val_loss"],
                     "val_bpb": metrics["val_bpb"]})
 
-    def log_skipped(self, step: int, loss: float, grad_norm: float):
+    def log_skipped(self, step: int, loss: float, grad_norm: float, skipped_steps: int):
         """A step whose update was skipped; `step` is numbered as the training rows are."""
-        self.skipped_steps += 1
         self.print(f"step {step:>6,} | non-finite loss {loss} or grad norm {grad_norm}: "
-                   f"update skipped ({self.skipped_steps} skipped so far)")
+                   f"update skipped ({skipped_steps} skipped so far)")
         self.write({"step": step, "skipped": True, "loss": loss, "grad_norm": grad_norm})
 
 

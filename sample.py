@@ -4,12 +4,16 @@
         --temperature 0.8 --top_k 50 --num_samples 2 --seed 1337
 
 The export directory (written by `python train.py --export`) holds model.pt (a
-Transformer state_dict), config.json (the StackConfig) and tokenizer.json.
+Transformer state_dict), config.json (the StackConfig) and tokenizer.json. A missing or
+damaged export is one line on stderr and exit status 2; --debug shows the traceback.
 """
 
 import argparse
 import json
-import os
+import pickle
+import sys
+import warnings
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
@@ -18,18 +22,62 @@ from config import StackConfig
 from data import EOS_TOKEN
 from model import Transformer
 
+EXPORT_FILES = ("model.pt", "config.json", "tokenizer.json")
+
 
 def load_export(export_dir: str, device: str = "cpu") -> tuple[Transformer, Tokenizer]:
-    """The exported model, in eval mode on `device`, and its tokenizer."""
-    with open(os.path.join(export_dir, "config.json")) as f:
-        cfg = StackConfig(**json.load(f))
+    """The exported model, in eval mode on `device`, and its tokenizer. Raises ValueError or
+    FileNotFoundError naming the file and how to write a good export."""
+    export = Path(export_dir)
+    if not export.is_dir():
+        raise FileNotFoundError(f"--export {export}: no such directory; "
+                                f"{how_to_export(export)}")
+    missing = [name for name in EXPORT_FILES if not (export / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"--export {export} has no {', '.join(missing)} (an export "
+                                f"holds {', '.join(EXPORT_FILES)}); {how_to_export(export)}")
+    try:
+        cfg = StackConfig(**json.loads((export / "config.json").read_text()))
+    except (ValueError, TypeError) as e:  # bad JSON, an unknown or a bad field
+        raise ValueError(f"{export / 'config.json'} is not a model config ({e}); "
+                         f"{how_to_export(export)}") from e
     model = Transformer(cfg)
-    # weights_only: a checkpoint is data; unpickling arbitrary objects would run code.
-    state = torch.load(os.path.join(export_dir, "model.pt"), map_location=device,
-                       weights_only=True)
-    model.load_state_dict(state)
-    tokenizer = Tokenizer.from_file(os.path.join(export_dir, "tokenizer.json"))
+    try:
+        with warnings.catch_warnings():  # a raw pickle's protocol is noise beside the refusal
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            # weights_only: a checkpoint is data; unpickling arbitrary objects would run code.
+            state = torch.load(export / "model.pt", map_location=device, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{export / 'model.pt'} holds objects other than tensors, so it was "
+                         f"refused unread (unpickling them could run code; never load it with "
+                         f"weights_only=False unless you trust its author); "
+                         f"{how_to_export(export)}") from e
+    except (RuntimeError, EOFError, KeyError) as e:  # not a torch.save file, or truncated
+        raise ValueError(f"{export / 'model.pt'} is not a readable torch.save file "
+                         f"({first_line(e)}); {how_to_export(export)}") from e
+    try:
+        model.load_state_dict(state)
+    except (RuntimeError, TypeError) as e:  # other names or shapes; not a dict at all
+        raise ValueError(f"{export / 'model.pt'} does not fit {export / 'config.json'} "
+                         f"({first_line(e)}); {how_to_export(export)}") from e
+    try:
+        tokenizer = Tokenizer.from_file(str(export / "tokenizer.json"))
+    except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+        raise ValueError(f"{export / 'tokenizer.json'} is not a tokenizer ({e}); "
+                         f"{how_to_export(export)}") from e
     return model.to(device).eval(), tokenizer
+
+
+def first_line(error: Exception) -> str:
+    """An error's type and first line: torch's messages run to paragraphs."""
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+
+
+def how_to_export(export: Path) -> str:
+    """The fix for any bad export: write it again from the run's newest checkpoint."""
+    out_dir = export.parent if export.name == "export" else Path("OUT_DIR")
+    return (f"write one with: python train.py --out_dir={out_dir} --export (with the run's "
+            f"--preset/--config), which writes {out_dir / 'export'}")
 
 
 def complete(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float,
@@ -46,7 +94,7 @@ def complete(model, tokenizer, prompt: str, max_new_tokens: int, temperature: fl
     return tokenizer.decode(ids[1:] + new)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description="Sample completions from an exported model.")
     parser.add_argument("--export", required=True, help="directory written by train.py --export")
     parser.add_argument("--prompt", default="\n", help="text to complete")
@@ -56,14 +104,21 @@ def main():
     parser.add_argument("--num_samples", type=int, default=3)
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args()
-
-    torch.manual_seed(args.seed)
-    model, tokenizer = load_export(args.export, args.device)
-    for _ in range(args.num_samples):
-        print(complete(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
-                       args.top_k or None))
-        print("---------------")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error, not just its message")
+    args = parser.parse_args(argv)
+    try:
+        torch.manual_seed(args.seed)
+        model, tokenizer = load_export(args.export, args.device)
+        for _ in range(args.num_samples):
+            print(complete(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
+                           args.top_k or None))
+            print("---------------")
+    except (ValueError, OSError) as e:  # user errors: one line, no traceback
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

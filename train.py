@@ -5,12 +5,11 @@
     accelerate launch --config_file accelerate_configs/ddp.yaml train.py   # many GPUs
 
 `main(cfg)` is the whole program. `setup` builds the accelerator, data, model, optimizers
-and, when there is one, restores the checkpoint. Each pass of the loop then runs, in order:
-evaluate (every eval_every steps) → set the learning rates from the schedule → one
-optimizer step (forward and backward over every micro-batch, clip, step) → log → save a
-checkpoint (every ckpt_every steps). accelerate supplies DDP / FSDP2, bf16 autocast and
-gradient accumulation; the rest is written out here, and the plumbing (checkpoints, the
-log) lives in checkpoint.py and report.py.
+and restores the checkpoint, if any. Each pass of the loop then runs, in order: evaluate
+(every eval_every steps) → set the learning rates from the schedule → one optimizer step
+(forward and backward over every micro-batch, clip, step) → log → checkpoint (every
+ckpt_every steps). accelerate supplies DDP / FSDP2, bf16 autocast and gradient
+accumulation; the plumbing (checkpoints, the log) lives in checkpoint.py and report.py.
 
 Loss normalisation. The loss is the mean over every target token of the global batch, all
 micro-batches on all ranks, as if it were one big batch. Micro-batches can hold different
@@ -22,9 +21,8 @@ and the target tokens of the whole global batch are counted before any backward 
 
 import dataclasses
 import math
-import signal
+import os
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +50,7 @@ def main(cfg: TrainConfig) -> dict:
     token_bytes = data.token_bytes(cfg.data_dir).to(run.accelerator.device)
     bad_steps = 0  # consecutive steps whose update was skipped (non-finite loss or norm)
     last_eval, last_ckpt, train_seconds, metrics = None, run.step, 0.0, {}
-    with StopFlag() as stop, make_logger(run) as logger:
+    with checkpoint.StopFlag() as stop, make_logger(run) as logger:
         while run.step < cfg.stop_at_step:
             if run.step % cfg.eval_every == 0 and last_eval != run.step:
                 metrics.update(evaluate(cfg, run.accelerator, run.model, token_bytes))
@@ -68,31 +66,31 @@ def main(cfg: TrainConfig) -> dict:
             run.tokens_seen += cfg.global_batch_tokens
 
             if result["skipped"]:
-                bad_steps += 1
-                logger.log_skipped(run.step, result["loss"], result["grad_norm"])
+                bad_steps, run.skipped_steps = bad_steps + 1, run.skipped_steps + 1
+                logger.log_skipped(run.step, result["loss"], result["grad_norm"],
+                                   run.skipped_steps)
                 if bad_steps >= cfg.max_bad_steps:
-                    raise RuntimeError(
-                        f"{bad_steps} consecutive non-finite steps (last at step {run.step}): "
-                        f"stopping. The last good checkpoint in {checkpoint.ckpt_root(cfg.out_dir)} "
-                        f"is intact; lower the learning rates or grad_clip and resume from it")
+                    give_up(run, bad_steps, last_ckpt)
             else:
                 bad_steps = 0
             if run.step % cfg.log_every == 0 or run.step == cfg.stop_at_step:
                 metrics.update(logger.log_train(run.step, result, run.optimizers.lrs(),
-                                                run.tokens_seen, train_seconds))
-            if run.step % cfg.ckpt_every == 0 or result["stop"]:
+                                                run.tokens_seen, run.skipped_steps,
+                                                train_seconds))
+            # Never during a non-finite streak: the weights may already be the damage.
+            if (run.step % cfg.ckpt_every == 0 or result["stop"]) and bad_steps == 0:
                 save_checkpoint(run)
                 last_ckpt = run.step
             if result["stop"]:
-                run.accelerator.print(f"stop requested: saved step {run.step:,} in "
-                                      f"{checkpoint.ckpt_root(cfg.out_dir)}; run the same "
-                                      f"command again to resume")
+                run.accelerator.print(f"stop requested after step {run.step:,}; the newest "
+                                      f"checkpoint is {checkpoint.newest(cfg.out_dir)}; run "
+                                      f"the same command again to resume")
                 return metrics
 
         if last_eval != run.step:
             metrics.update(evaluate(cfg, run.accelerator, run.model, token_bytes))
             logger.log_eval(run.step, metrics)
-        if last_ckpt != run.step:
+        if last_ckpt != run.step and bad_steps == 0:
             save_checkpoint(run)
     metrics["sample"] = sample_text(cfg, run.accelerator, run.model)
     run.accelerator.print(f"sample ({cfg.sample_prompt!r} →):\n{metrics['sample']}")
@@ -109,13 +107,15 @@ class Run:
     loader: data.PackedShardLoader
     manifest: dict
     step: int = 0  # optimizer steps taken, advanced by the loop
-    tokens_seen: int = 0
+    tokens_seen: int = 0  # tokens trained on, all ranks together
+    skipped_steps: int = 0  # updates skipped for a non-finite loss or grad norm, in all
 
 
 def setup(cfg: TrainConfig) -> Run:
     """Accelerator, data, model, optimizers, and the checkpoint to resume from. Every
     config and data mistake fails here, before any compute."""
     optim.check_schedule(cfg)
+    candidates = checkpoint.resume_candidates(cfg.out_dir, cfg.resume)  # refuses overwrites
     accelerator = make_accelerator(cfg)
     manifest = ensure_data(cfg, accelerator)
     loader = data.PackedShardLoader(cfg.data_dir, "train", cfg.seq_len, cfg.micro_batch_size,
@@ -132,14 +132,11 @@ def setup(cfg: TrainConfig) -> Run:
     model, *prepared = accelerator.prepare(model, *optimizers.named.values())
     optimizers = optim.Optimizers(dict(zip(optimizers.named, prepared, strict=True)))
     run = Run(cfg, accelerator, model, optimizers, loader, manifest)
-    ckpt = checkpoint.find(cfg.out_dir, cfg.resume)
-    if ckpt is not None:
-        load_checkpoint(run, ckpt)
-        accelerator.print(f"resumed from {ckpt} at step {run.step:,}")
+    resume(run, candidates)
     return run
 
 
-def train_step(run: Run, stop: "StopFlag") -> dict:
+def train_step(run: Run, stop: checkpoint.StopFlag) -> dict:
     """One optimizer step over the global batch: forward and backward on every micro-batch,
     clip, then step both optimizers — unless the loss or gradient norm is not finite, in
     which case the update is skipped and the weights stay as they were."""
@@ -165,16 +162,17 @@ def train_step(run: Run, stop: "StopFlag") -> dict:
     # The norm is measured before clipping: the logged gnorm is what the step produced.
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
     grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
-    # One reduction carries the losses and the stop request: every rank must agree to stop.
-    stats = accelerator.reduce(torch.cat([sums, stop.tensor(accelerator.device)]), "sum")
-    loss, ce, z = (stats[:3] / n_tokens).tolist()
+    loss, ce, z = (accelerator.reduce(sums, "sum") / n_tokens).tolist()
     grad_norm = float(grad_norm)
     skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
     if not skipped:
         run.optimizers.step()
     run.optimizers.zero_grad()
+    # Read last, so a signal that arrives during this step stops the run after it; every
+    # rank must agree to stop, so the flag is summed over ranks.
+    stop_votes = accelerator.reduce(stop.tensor(accelerator.device), "sum")
     return {"loss": loss, "ce": ce, "z": z, "grad_norm": grad_norm, "skipped": skipped,
-            "stop": stats[3].item() > 0, "seconds": time.perf_counter() - t0}
+            "stop": stop_votes.item() > 0, "seconds": time.perf_counter() - t0}
 
 
 @torch.no_grad()
@@ -203,10 +201,6 @@ def evaluate(cfg: TrainConfig, accelerator, model, token_bytes) -> dict:
     ce_sum, n_tokens, n_bytes = accelerator.reduce(totals, "sum").tolist()
     return {"val_loss": ce_sum / n_tokens, "val_bpb": ce_sum / math.log(2) / n_bytes}
 
-
-# ---------------------------------------------------------------------------------------
-# The pieces setup and the loop call
-# ---------------------------------------------------------------------------------------
 
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
     """One Accelerator for the run. The world size must be known before it exists (it sets
@@ -254,7 +248,7 @@ def build_model(cfg: TrainConfig, compile_model: bool) -> Transformer:
     would skip them."""
     set_seed(cfg.seed)
     model = Transformer(cfg.model)
-    model.recompute_every = cfg.recompute_every
+    model.recompute_every, model.loss_head_dtype = cfg.recompute_every, cfg.loss_head_dtype
     if compile_model:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block)
@@ -294,7 +288,7 @@ def banner(cfg: TrainConfig, accelerator, model, optimizers, loader, compiled) -
                          loader.tokens_per_epoch)
 
 
-def model_flops(cfg: TrainConfig) -> dict[str, float]:
+def model_flops(cfg: TrainConfig) -> dict[str, float]:  # FLOP/token in both conventions
     return {c: flops_per_token(cfg.model, cfg.seq_len, c) for c in ("causal", "palm")}
 
 
@@ -307,27 +301,49 @@ def make_logger(run: Run) -> report.MetricsLogger:
 def save_checkpoint(run: Run):
     """out_dir/ckpt/step_XXXXXXX: weights, both optimizers, RNGs, and the train state that
     a resume needs to continue bitwise (step, tokens seen, the loader's cursor)."""
-    state = {"step": run.step, "tokens_seen": run.tokens_seen,
+    state = {"step": run.step, "tokens_seen": run.tokens_seen, "skipped_steps": run.skipped_steps,
              "loader": run.loader.state_dict(), "world_size": run.accelerator.num_processes,
-             "tokenizer_sha256": run.manifest["tokenizer"]["sha256"],
-             "config": dataclasses.asdict(run.cfg)}
+             "data_sha256": data.fingerprint(run.manifest), "config": dataclasses.asdict(run.cfg)}
     checkpoint.save(run.accelerator, run.accelerator.unwrap_model(run.model),
                     list(run.optimizers.named.values()), state, run.cfg.out_dir,
                     run.cfg.keep_last_ckpts)
 
 
+def resume(run: Run, candidates: list[Path]):
+    """Continue from the first of `candidates` that can be read (checkpoint.resume_candidates
+    lists them): if the newest of out_dir is damaged, say so and fall back to the one before."""
+    for path in candidates:
+        try:
+            load_checkpoint(run, path)
+        except checkpoint.DamagedCheckpointError as e:
+            if run.cfg.resume != "auto":
+                raise ValueError(f"resume={run.cfg.resume} cannot be read: {e}") from e
+            run.accelerator.print(f"warning: skipping damaged checkpoint {e}")
+            continue
+        run.accelerator.print(f"resumed from {path} at step {run.step:,}")
+        return
+    if candidates:
+        raise ValueError(f"no checkpoint in {checkpoint.ckpt_root(run.cfg.out_dir)} can be "
+                         f"read (see the warnings above); move them aside and --resume=none")
+
+
 def load_checkpoint(run: Run, path: Path):
-    """Restore weights, both optimizers, RNGs, the data cursor, the step and the counters.
-    The rank count may differ from the saving run's: DCP reshards, and the loader's cursor
-    counts global windows."""
-    state = checkpoint.load(run.accelerator, run.accelerator.unwrap_model(run.model),
-                            list(run.optimizers.named.values()), path)
-    if state["tokenizer_sha256"] != run.manifest["tokenizer"]["sha256"]:
-        raise ValueError(f"{path} was trained with a different tokenizer than "
-                         f"{run.cfg.data_dir}; resume with the original data_dir or start "
-                         f"a new out_dir")
+    """Restore weights, both optimizers, RNGs, the data cursor, the step and the counters,
+    after checking that the checkpoint fits this run. The rank count may differ from the
+    saving run's: DCP reshards, and the loader's cursor counts global windows. The knobs
+    this run was given win over the checkpoint's, except those that cannot change."""
+    state = checkpoint.read_train_state(path)
+    if state["data_sha256"] != data.fingerprint(run.manifest):  # tokenizer and shards
+        raise ValueError(f"{path} was trained on other data than {run.cfg.data_dir} (its "
+                         f"tokenizer or shards differ); resume with the original data, or "
+                         f"start a fresh --out_dir")
+    for name, old, new in config.resume_changes(run.cfg, state["config"]):
+        run.accelerator.print(f"resume: {name} {old} → {new}")
+    checkpoint.load(run.accelerator, run.accelerator.unwrap_model(run.model),
+                    list(run.optimizers.named.values()), path)
     run.loader.load_state_dict(state["loader"])
     run.step, run.tokens_seen = state["step"], state["tokens_seen"]
+    run.skipped_steps = state.get("skipped_steps", 0)
 
 
 def sample_text(cfg: TrainConfig, accelerator, model) -> str:
@@ -335,37 +351,10 @@ def sample_text(cfg: TrainConfig, accelerator, model) -> str:
     (under FSDP each forward needs all ranks); the seed is fixed and the training RNG state
     is put back afterwards, so sampling never changes a resumed run."""
     tokenizer = Tokenizer.from_file(data.tokenizer_path(cfg.data_dir))
-    rng = torch.get_rng_state()
-    torch.manual_seed(cfg.seed)
-    text = sample.complete(accelerator.unwrap_model(model), tokenizer, cfg.sample_prompt,
-                           cfg.sample_tokens, temperature=0.8, top_k=50)
-    torch.set_rng_state(rng)
-    return text
-
-
-class StopFlag:
-    """SIGTERM (a scheduler's preemption) or Ctrl-C asks the loop to finish its step, save
-    and exit 0; a second Ctrl-C interrupts at once. The old handlers come back on exit."""
-
-    def __init__(self):
-        self.requested, self.previous = False, {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # signals need it
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                self.previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-
-    def _handle(self, signum, frame):
-        self.requested = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def tensor(self, device) -> torch.Tensor:
-        return torch.tensor([float(self.requested)], device=device)
+    with torch.random.fork_rng():  # every torch generator is put back on exit
+        torch.manual_seed(cfg.seed)
+        return sample.complete(accelerator.unwrap_model(model), tokenizer, cfg.sample_prompt,
+                               cfg.sample_tokens, temperature=0.8, top_k=50)
 
 
 def export(cfg: TrainConfig) -> Path:
@@ -380,20 +369,51 @@ def export(cfg: TrainConfig) -> Path:
     return out
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm stayed non-finite for max_bad_steps steps in a row."""
+
+
+def give_up(run: Run, bad_steps: int, last_ckpt: int):
+    """Stop a run whose loss stayed non-finite. A checkpoint written just before the streak
+    holds the weights that gave its first loss: set it aside (renamed .diverged)."""
+    cfg, first_bad = run.cfg, run.step - bad_steps + 1
+    if last_ckpt == first_bad - 1 and run.accelerator.is_main_process:
+        checkpoint.set_aside(cfg.out_dir, last_ckpt, "diverged")
+    rates = " ".join(f"{name} {lr:.2e}" for name, lr in run.optimizers.lrs().items())
+    raise TrainingDiverged(
+        f"{bad_steps} consecutive non-finite steps (the last at step {run.step}, lr {rates}): "
+        f"stopping; the newest checkpoint from before them is {checkpoint.newest(cfg.out_dir)}. "
+        f"Lower --muon_peak_lr={cfg.muon_peak_lr:g} and --adamw_peak_lr={cfg.adamw_peak_lr:g} "
+        f"(or --grad_clip={cfg.grad_clip:g}) and run again: it resumes from there")
+
+
+# What a user can fix: a bad value, a missing or unreadable file, a run that diverged. These
+# print one line; anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, OSError, TrainingDiverged)
+
+
 def cli(argv=None):
-    """Bare `python train.py` trains Stack-100M where a GPU is present, else `tiny`."""
+    """`python train.py [--preset P] [--config RUN.TOML] [--key=value ...] [--export]`; bare,
+    it trains Stack-100M where a GPU is present, else `tiny`. A user error prints one line
+    (`--debug` shows the traceback) and exits with status 2; under a launcher only rank 0
+    prints it."""
+    argv = sys.argv[1:] if argv is None else argv
     default = "stack100m" if torch.cuda.is_available() else "tiny"
     try:
         cfg, args = config.parse_args(argv, default_preset=default)
-    except ValueError as e:
-        sys.exit(f"config error: {e}")
-    if args.preset is None and default == "tiny":
-        print("no CUDA GPU found: running the `tiny` preset on the CPU "
-              "(pass --preset stack100m to insist)")
-    if args.export:
-        export(cfg)
-        return
-    main(cfg)
+        if args.preset is None and default == "tiny":
+            print("no CUDA GPU found: running the `tiny` preset on the CPU "
+                  "(pass --preset stack100m to insist)")
+        if args.export:
+            export(cfg)
+        else:
+            main(cfg)
+    except USER_ERRORS as e:
+        if "--debug" in argv:
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,11 @@
 set -euo pipefail
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MASTER_PORT=${MASTER_PORT:-29500}
+# The global batch stays 524,288 tokens: 32 sequences per GPU fit 8 GPUs, so each node more
+# halves the micro-batch (1, 2, 4, 8 nodes: 32, 16, 8, 4); a flag after the script wins.
+MICRO=$(( 32 / SLURM_NNODES ))
 srun --kill-on-bad-exit=1 bash -c "accelerate launch \
   --config_file accelerate_configs/fsdp2_multinode.yaml \
   --num_machines $SLURM_NNODES --num_processes $((SLURM_NNODES * 8)) \
   --machine_rank \$SLURM_NODEID --main_process_ip $MASTER_ADDR --main_process_port $MASTER_PORT \
-  train.py --preset=stack100m $*"
+  train.py --preset=stack100m --micro_batch_size=$MICRO $*"

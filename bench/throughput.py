@@ -2,8 +2,8 @@
 
 The full loop is `train.main` (loader, token counting, reductions, logging every `warmup`
 steps, metrics file); its tokens/s is taken from the wall-clock time between its log lines
-after a warm-up, so all of the loop's own overhead counts. The bare loop runs the same prepared model and
-optimizers on one fixed batch: forward, backward, clip, step, nothing else. The ratio
+after a warm-up, so all of the loop's own overhead counts. The bare loop runs the same
+prepared model and optimizers on one fixed batch: forward, backward, clip, step, nothing else. The ratio
 loop/bare is the share of speed the loop keeps (goal: >= 0.95).
 
     python bench/throughput.py                       # tiny preset, this machine

@@ -1,13 +1,18 @@
-"""Shared fixtures: a small prepared dataset and a micro model config for loop tests."""
+"""Shared fixtures: prepared datasets (a slice of the standard library for the loop tests, a
+tiny corpus with traps for the data tests) and a micro model config."""
 
+import json
+import random
 import shutil
 import sysconfig
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import config
 import prepare
+from data import EOS_TOKEN
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +39,64 @@ def micro_config(data_dir: str, out_dir: str, **overrides) -> config.TrainConfig
         eval_every=4, eval_tokens=1024, ckpt_every=4, keep_last_ckpts=5, compile_model="false",
         sample_tokens=8)
     return config.apply_overrides(cfg, overrides)
+
+
+# --- the data tests' tiny corpus (test_data.py, test_prepare.py) -----------------------
+
+def make_corpus(root: Path) -> list[str]:
+    """Forty small, distinct "modules" plus the traps; returns the documents prepare must
+    keep, in file order."""
+    root.mkdir(parents=True)
+    kept = []
+    for i in range(40):
+        rng = random.Random(i)
+        lines = [f"def f_{i}_{j}(x):\n    return x * {rng.randint(0, 999)}  # café ☕ 数据\n"
+                 for j in range(rng.randint(3, 8))]
+        text = f'"""module {i}"""\n' + "".join(lines)
+        (root / f"mod_{i:02d}.py").write_text(text, encoding="utf-8")
+        kept.append((f"mod_{i:02d}.py", text))
+    literal = f"SEPARATOR = '{EOS_TOKEN}'  # text, not a document boundary\n"
+    (root / "literal.py").write_text(literal, encoding="utf-8")
+    kept.append(("literal.py", literal))
+    (root / "latin1.py").write_bytes("nom = 'café'\n".encode("latin-1"))  # skipped
+    (root / "blank.py").write_text("\n\n")  # no document
+    (root / ".hidden").mkdir()
+    (root / ".hidden" / "secret.py").write_text("password = 1\n")  # hidden: ignored
+    return [text for _, text in sorted(kept)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus") / "src"
+    return root, make_corpus(root)
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("prepared") / "tiny"
+    prepare.prepare(str(corpus[0]), str(out), vocab_size=400, shard_tokens=700, val_fraction=0.2)
+    return out
+
+
+def stream(data_dir, split) -> np.ndarray:
+    """A split's tokens read straight from the files, without the loader."""
+    manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
+    return np.concatenate([np.fromfile(Path(data_dir) / s["file"], dtype=manifest["dtype"])
+                           for s in manifest["splits"][split]["shards"]]).astype(np.int64)
+
+
+def documents_of(tokens: np.ndarray, eos_id: int) -> list[list[int]]:
+    assert tokens[0] == eos_id  # EOS opens every document, the first one too
+    docs = []
+    for token in tokens.tolist():
+        if token == eos_id:
+            docs.append([])
+        else:
+            docs[-1].append(token)
+    return docs
+
+
+def copy_of(prepared, tmp_path) -> Path:
+    target = tmp_path / "copy"
+    shutil.copytree(prepared, target)
+    return target

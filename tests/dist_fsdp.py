@@ -2,26 +2,40 @@
 
     python -m torch.distributed.run --nproc_per_node=N tests/dist_fsdp.py ACTION DATA OUT
 
+Every action builds the run as `train.setup` does under FSDP2 and trains it with the loop's
+own `train.train_step`: an `accelerate.Accelerator(cpu=True)` with the config's gradient
+accumulation, `train.build_model` + `train.shard_model`, `optim.build_optimizers`, this
+rank's `MaskedLoader`, a `train.Run`. The model never goes through `accelerator.prepare`:
+accelerate does not shard on CPU (it would wrap the sharded model in DDP over gloo), so
+`shard_model` is the whole of FSDP2 here, as it is on GPUs.
+
 ACTION
-  train  the real model, sharded by `train.shard_model` with every block's activations
-         checkpointed, trains 3 steps with Muon + AdamW and the chunked loss next to an
-         unsharded, uncheckpointed copy that sees the whole global batch in one process;
-         rank 0 writes the largest weight and loss differences to OUT/train.json.
-  save   trains the sharded model 3 steps, writes a sharded checkpoint to OUT/ckpt with
-         checkpoint.py's own writer, and rank 0 writes the full weights and optimizer state to
-         OUT/reference.pt.
-  load   builds a fresh sharded model on this number of ranks, loads OUT/ckpt, and rank 0
-         writes whether the full weights and optimizer state equal OUT/reference.pt to
-         OUT/load_<N>.json.
+  train               STEPS steps of `fsdp_config` with every block's activations recomputed;
+                      rank 0 writes each step's loss and pre-clip grad norm to OUT/train.json
+                      and the full weights to OUT/weights.pt, and every rank writes what
+                      accelerate reports about the world to OUT/world_<rank>.json.
+  train_mean_of_means negative control: as `train`, but every micro-batch's loss is
+                      normalised by its own target count (a mean of micro-batch means, the
+                      mistake global-token normalisation exists to avoid).
+  train_half_gradient negative control: as `train`, but every backward gets half the loss
+                      (the gradient is off by a constant factor; the logged loss is not).
+  save                trains STEPS steps, writes a sharded checkpoint to OUT/ckpt with
+                      checkpoint.py's own writer, and rank 0 writes the full weights and
+                      optimizer state to OUT/reference.pt.
+  load                builds a fresh sharded model on this number of ranks, loads OUT/ckpt, and
+                      rank 0 writes whether the full weights and optimizer state equal
+                      OUT/reference.pt to OUT/load_<N>.json.
 """
 
-import dataclasses
+import gc
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from accelerate import Accelerator
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -35,46 +49,84 @@ from conftest import micro_config  # noqa: E402
 STEPS = 3
 
 
+def fsdp_config(data_dir: str, out_dir: str, **overrides):
+    """768 tokens per step = 12 windows of 64 = 2 per micro-batch x 3 accum x 2 ranks
+    (2 x 2 accum x 3 ranks for `load`; 12 x 1 x 1 rank for test_fsdp's reference)."""
+    return micro_config(data_dir, out_dir, **{"micro_batch_size": 2, "global_batch_tokens":
+                                              64 * 12, "stop_at_step": STEPS, **overrides})
+
+
+class MaskedLoader(data.PackedShardLoader):
+    """The real loader with each row's first (first input id mod seq_len) targets ignored
+    (-100), as padding or prompt tokens would be: micro-batches then hold anywhere from 2 to
+    128 targets, so a mean of per-micro-batch means weights tokens differently from the
+    global mean. The rule reads only the row's own tokens, so every rank count and every
+    micro-batch size masks the same tokens of the global batch."""
+
+    def __next__(self):
+        batch = super().__next__()
+        cut = batch["input_ids"][:, 0] % self.seq_len  # (B,)
+        masked = torch.arange(self.seq_len)[None, :] < cut[:, None]  # (B, T)
+        return batch | {"targets": batch["targets"].masked_fill(masked, -100)}
+
+
+def normalise_each_micro_batch(model, cfg):
+    """The negative control's mistake, by a forward hook: each micro-batch's summed loss
+    becomes its own mean (times the fixed B·T, so the scale stays that of the right loss),
+    i.e. train_step then averages per-micro-batch means."""
+    full = cfg.micro_batch_size * cfg.seq_len
+
+    def hook(module, args, kwargs, output):
+        n_local = (kwargs["targets"] != -100).sum()
+        return type(output)(output.loss * full / n_local, output.ce, output.z)
+
+    model.register_forward_hook(hook, with_kwargs=True)
+
+
+def halve_gradients(accelerator):
+    """The other negative control's mistake: a loss scale off by 2 in the backward pass."""
+    backward = accelerator.backward
+    accelerator.backward = lambda loss, **kwargs: backward(loss / 2, **kwargs)
+
+
+def make_run(cfg, data_dir: str) -> train.Run:
+    world = int(os.environ["WORLD_SIZE"])
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=cfg.grad_accum_steps(world))
+    model = train.build_model(cfg, compile_model=False)
+    model = train.shard_model(model, accelerator.device, bf16=False)
+    optimizers = optim.build_optimizers(model, cfg)
+    loader = MaskedLoader(data_dir, "train", cfg.seq_len, cfg.micro_batch_size,
+                          accelerator.process_index, accelerator.num_processes, seed=cfg.seed)
+    return train.Run(cfg, accelerator, model, optimizers, loader, data.load_manifest(data_dir))
+
+
+def train_steps(run: train.Run) -> list[dict]:
+    """What train.main does around each step, without evaluation, logging or checkpoints."""
+    results = []
+    with checkpoint.StopFlag() as stop:
+        while run.step < run.cfg.stop_at_step:
+            run.optimizers.set_lr(optim.lr_multiplier(run.step, run.cfg))
+            results.append(train.train_step(run, stop))
+            run.step += 1
+    return results
+
+
+def world_report(accelerator) -> dict:
+    """What accelerate says about the torchrun world, and a sum over ranks of rank + 1."""
+    total = accelerator.reduce(torch.tensor(accelerator.process_index + 1.0), "sum")
+    return {"rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"]),
+            "process_index": accelerator.process_index,
+            "num_processes": accelerator.num_processes,
+            "distributed_type": str(accelerator.distributed_type.value),
+            "reduced_sum": total.item(), "grad_accum": accelerator.gradient_accumulation_steps}
+
+
 def full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def make(cfg, sharded: bool):
-    model = train.build_model(cfg, compile_model=False)
-    if sharded:
-        model = train.shard_model(model, torch.device("cpu"), bf16=False)
-    return (model, *optim.build_optimizers(model, cfg).named.values())
-
-
-def train_steps(cfg, model, muon, adamw, loader, group=None):
-    """train.py's step without accelerate: the summed loss is scaled by world/global tokens
-    so that FSDP's gradient average gives d(sum of token losses)/global tokens."""
-    world = dist.get_world_size(group) if group is not None else 1
-    losses = []
-    for step in range(STEPS):
-        for opt, peak in ((muon, cfg.muon_peak_lr), (adamw, cfg.adamw_peak_lr)):
-            for g in opt.param_groups:
-                g["lr"] = peak * optim.lr_multiplier(step, cfg)
-        batch = next(loader)
-        n_tokens = torch.tensor(float((batch["targets"] != -100).sum()))
-        if group is not None:
-            dist.all_reduce(n_tokens, group=group)
-        loss = model(**batch, reduction="sum").loss
-        (loss * world / n_tokens).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        muon.step()
-        adamw.step()
-        muon.zero_grad()
-        adamw.zero_grad()
-        total = loss.detach().clone()
-        if group is not None:
-            dist.all_reduce(total, group=group)
-        losses.append(float(total / n_tokens))
-    return losses
-
-
-def full_state(model, muon, adamw) -> dict:
-    model_sd, optim_sd = get_state_dict(model, [muon, adamw],
+def full_state(model, optimizers: list) -> dict:
+    model_sd, optim_sd = get_state_dict(model, optimizers,
                                         options=StateDictOptions(full_state_dict=True))
     flat = {f"model.{k}": full(v) for k, v in model_sd.items()}
     for name, state in optim_sd["state"].items():
@@ -85,43 +137,48 @@ def full_state(model, muon, adamw) -> dict:
 
 def main():
     action, data_dir, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = micro_config(data_dir, str(out), micro_batch_size=2, global_batch_tokens=128 * 6)
-    checkpointed = action == "train"  # recompute under FSDP2 must give the same gradients
-    sharded = make(dataclasses.replace(cfg, activation_recompute="full") if checkpointed
-                   else cfg, sharded=True)
-    if action in ("train", "save"):
-        loader = data.PackedShardLoader(data_dir, "train", cfg.seq_len, 2, rank, world)
-        losses = train_steps(cfg, *sharded, loader, group=dist.group.WORLD)
-    if action == "train":
-        # The unsharded copy reads the whole global micro-batch (2 windows × world) at once.
-        reference = make(cfg, sharded=False)
-        ref_loader = data.PackedShardLoader(data_dir, "train", cfg.seq_len, 2 * world)
-        ref_losses = train_steps(cfg, *reference, ref_loader)
-        sharded_weights = {k: full(v) for k, v in sharded[0].state_dict().items()}
-        diffs = {k: float((sharded_weights[k] - v).abs().max())
-                 for k, v in reference[0].state_dict().items()}
+    cfg = fsdp_config(data_dir, str(out))
+    if action.startswith("train"):
+        # recompute under FSDP2 must give the same gradients as the plain reference
+        cfg = fsdp_config(data_dir, str(out), activation_recompute="full")
+    run = make_run(cfg, data_dir)
+    rank, optimizers = run.accelerator.process_index, list(run.optimizers.named.values())
+    if action.startswith("train"):
+        (out / f"world_{rank}.json").write_text(json.dumps(world_report(run.accelerator)))
+        if action == "train_mean_of_means":
+            normalise_each_micro_batch(run.model, cfg)
+        elif action == "train_half_gradient":
+            halve_gradients(run.accelerator)
+        results = train_steps(run)
+        weights = {k: full(v) for k, v in run.model.state_dict().items()}
         if rank == 0:
             (out / "train.json").write_text(json.dumps({
-                "max_weight_diff": max(diffs.values()), "losses": losses,
-                "ref_losses": ref_losses, "n_weights": len(diffs)}))
+                "losses": [r["loss"] for r in results],
+                "grad_norms": [r["grad_norm"] for r in results],
+                "skipped": [r["skipped"] for r in results]}))
+            torch.save(weights, out / "weights.pt")
     elif action == "save":
-        checkpoint.write_weights_and_optimizers(sharded[0], list(sharded[1:]), out / "ckpt")
-        state = full_state(*sharded)
+        train_steps(run)
+        checkpoint.write_weights_and_optimizers(run.model, optimizers, out / "ckpt")
+        state = full_state(run.model, optimizers)
         if rank == 0:
             torch.save(state, out / "reference.pt")
     else:
-        checkpoint.read_weights_and_optimizers(sharded[0], list(sharded[1:]), out / "ckpt")
-        state = full_state(*sharded)
+        checkpoint.read_weights_and_optimizers(run.model, optimizers, out / "ckpt")
+        state = full_state(run.model, optimizers)
         if rank == 0:
             reference = torch.load(out / "reference.pt", weights_only=True)
             mismatched = [k for k in reference if k not in state
                           or not torch.equal(reference[k], state[k])]
-            (out / f"load_{world}.json").write_text(json.dumps({
+            (out / f"load_{run.accelerator.num_processes}.json").write_text(json.dumps({
                 "compared": len(reference), "mismatched": mismatched,
                 "extra": sorted(set(state) - set(reference))}))
-    dist.barrier()  # no rank tears down gloo while another still writes its files
+    # As in dist_muon.py: the FSDP modules and their DTensors sit in reference cycles; free
+    # them while the interpreter and the process group are alive, then let no rank tear
+    # down gloo while another still writes its files.
+    del run, optimizers
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -11,7 +11,9 @@ error after 5 steps of
                     checkpoint of model and optimizer to CKPT after step 3);
   local_shard_muon: the negative control, which orthogonalises each rank's rows alone;
   resumed:          (`resume` only) a sharded model loaded from CKPT, written by another
-                    number of ranks, then trained for steps 3 and 4.
+                    number of ranks, then trained for steps 3 and 4;
+  resumed_without_momentum: the negative control for `resumed`: the same, loading only the
+                    model, so that Muon restarts from zero momentum.
 """
 
 import gc
@@ -21,7 +23,8 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import fully_shard
 
 from optim import Muon
@@ -88,16 +91,25 @@ def checkpoint_state(model, muon):
     return {"model": model_state, "optim": optim_state}
 
 
-def resume(ckpt_dir):
-    """A sharded model and Muon loaded from a checkpoint, then trained to the end."""
+def resume(ckpt_dir, load_optimizer=True):
+    """A sharded model and Muon loaded from a checkpoint, then trained to the end. Without
+    load_optimizer (the negative control), only the weights are read and Muon restarts from
+    zero momentum. (get_state_dict on the optimizer would not do: it creates the momentum
+    buffers, and dcp.load fills them in place.)"""
     model = shard(make_model())
     muon = make_muon(model)
-    state = checkpoint_state(model, muon)
-    dcp.load(state, checkpoint_id=ckpt_dir)
-    set_state_dict(model, [muon], model_state_dict=state["model"], optim_state_dict=state["optim"])
-    for p in model.parameters():
-        if muon.state[p]["momentum_buffer"].placements != p.placements:
-            raise RuntimeError("the reloaded momentum buffer is not sharded like its parameter")
+    if load_optimizer:
+        state = checkpoint_state(model, muon)
+        dcp.load(state, checkpoint_id=ckpt_dir)
+        set_state_dict(model, [muon], model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        for p in model.parameters():
+            if muon.state[p]["momentum_buffer"].placements != p.placements:
+                raise RuntimeError("the reloaded momentum buffer is not sharded like its parameter")
+    else:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=ckpt_dir)
+        set_model_state_dict(model, state["model"])
     train(model, muon, range(SAVE_AFTER, STEPS))
     return model
 
@@ -120,6 +132,8 @@ def compare(action, ckpt_dir) -> dict:
     result["local_shard_muon"] = max_relative_error(control, reference)
     if action == "resume":
         result["resumed"] = max_relative_error(resume(ckpt_dir), reference)
+        result["resumed_without_momentum"] = max_relative_error(
+            resume(ckpt_dir, load_optimizer=False), reference)
     return result
 
 

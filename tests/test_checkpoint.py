@@ -44,8 +44,8 @@ def test_save_load_round_trip_restores_weights_and_optimizer_state(tmp_path):
         for state in opt.state.values():
             for value in state.values():
                 value.add_(1.0)  # and every optimizer state
-    state = checkpoint.load(Accelerator(cpu=True), fresh, fresh_optimizers, path)
-    assert state["step"] == 1
+    checkpoint.load(Accelerator(cpu=True), fresh, fresh_optimizers, path)
+    assert checkpoint.read_train_state(path)["step"] == 1
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(),
                             strict=True):
         assert torch.equal(a, b), name
@@ -73,6 +73,16 @@ def test_a_save_that_fails_partway_leaves_no_complete_checkpoint(tmp_path, monke
     assert checkpoint.find(tmp_path, "auto") == tmp_path / "ckpt" / "step_0000001"
     assert not (tmp_path / "ckpt" / "step_0000002").exists()
     assert (tmp_path / "ckpt" / "step_0000002.tmp").exists()
+
+
+def test_non_finite_weights_are_never_written(tmp_path):
+    model, optimizers = small_run()
+    save(model, optimizers, tmp_path, step=1)
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="non-finite values; refusing"):
+        save(model, optimizers, tmp_path, step=2)
+    assert checkpoint.find(tmp_path, "auto") == tmp_path / "ckpt" / "step_0000001"
 
 
 def test_find_ignores_partial_checkpoints_and_save_prunes(tmp_path):

@@ -95,7 +95,7 @@ def test_model_errors_name_the_field(change, message):
 @pytest.mark.parametrize("change, message", [
     (dict(seq_len=4096), "seq_len=4096 exceeds model.max_seq_len=2048"),
     (dict(stop_at_step=40_000), "stop_at_step=40,000 is past total_steps=38,147"),
-    (dict(micro_batch_size=0), "micro_batch_size=0 must be positive"),
+    (dict(micro_batch_size=0), "micro_batch_size=0 must be a positive"),
     (dict(decay_shape="exp"), "decay_shape='exp' is not one of"),
     (dict(mixed_precision="fp16"), "mixed_precision='fp16' is not one of"),
     (dict(activation_recompute="half"), "activation_recompute='half' is not none"),

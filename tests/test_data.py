@@ -1,11 +1,14 @@
 """data.py: prepare a tiny corpus in a temp dir, then check the loader, the manifest readers
 and verify against plain-Python recomputations, round trips and invariants. The corpus,
-its prepared directory and the plain shard readers here are shared with test_prepare.py."""
+its prepared directory and the plain shard readers live in conftest.py, shared with
+test_prepare.py."""
 
 import collections
 import hashlib
 import json
+import os
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -15,69 +18,10 @@ import torch
 from tokenizers import Tokenizer
 
 import data
-import prepare
-from data import EOS_TOKEN, PackedShardLoader
+from conftest import copy_of, documents_of, stream
+from data import PackedShardLoader
 
 T = 16  # loader tests use short windows so an epoch is a few hundred of them
-
-
-def make_corpus(root: Path) -> list[str]:
-    """Forty small, distinct "modules" plus the traps; returns the documents prepare must
-    keep, in file order."""
-    root.mkdir(parents=True)
-    kept = []
-    for i in range(40):
-        rng = random.Random(i)
-        lines = [f"def f_{i}_{j}(x):\n    return x * {rng.randint(0, 999)}  # café ☕ 数据\n"
-                 for j in range(rng.randint(3, 8))]
-        text = f'"""module {i}"""\n' + "".join(lines)
-        (root / f"mod_{i:02d}.py").write_text(text, encoding="utf-8")
-        kept.append((f"mod_{i:02d}.py", text))
-    literal = f"SEPARATOR = '{EOS_TOKEN}'  # text, not a document boundary\n"
-    (root / "literal.py").write_text(literal, encoding="utf-8")
-    kept.append(("literal.py", literal))
-    (root / "latin1.py").write_bytes("nom = 'café'\n".encode("latin-1"))  # skipped
-    (root / "blank.py").write_text("\n\n")  # no document
-    (root / ".hidden").mkdir()
-    (root / ".hidden" / "secret.py").write_text("password = 1\n")  # hidden: ignored
-    return [text for _, text in sorted(kept)]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus") / "src"
-    return root, make_corpus(root)
-
-
-@pytest.fixture(scope="module")
-def prepared(corpus, tmp_path_factory):
-    out = tmp_path_factory.mktemp("prepared") / "tiny"
-    prepare.prepare(str(corpus[0]), str(out), vocab_size=400, shard_tokens=700, val_fraction=0.2)
-    return out
-
-
-def stream(data_dir, split) -> np.ndarray:
-    """A split's tokens read straight from the files, without the loader."""
-    manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
-    return np.concatenate([np.fromfile(Path(data_dir) / s["file"], dtype=manifest["dtype"])
-                           for s in manifest["splits"][split]["shards"]]).astype(np.int64)
-
-
-def documents_of(tokens: np.ndarray, eos_id: int) -> list[list[int]]:
-    assert tokens[0] == eos_id  # EOS opens every document, the first one too
-    docs = []
-    for token in tokens.tolist():
-        if token == eos_id:
-            docs.append([])
-        else:
-            docs[-1].append(token)
-    return docs
-
-
-def copy_of(prepared, tmp_path) -> Path:
-    target = tmp_path / "copy"
-    shutil.copytree(prepared, target)
-    return target
 
 
 def rows(batch) -> list[tuple]:
@@ -284,15 +228,132 @@ def test_shard_size_mismatch_and_truncation(prepared, tmp_path):
         PackedShardLoader(bad, "train", T, 1)
 
 
-def test_verify_catches_a_changed_byte(prepared, tmp_path):
+def flip_bytes(path: Path, offset: int, count: int):
+    """Corrupt a file in place, keeping its size: only a checksum can tell."""
+    raw = bytearray(path.read_bytes())
+    for i in range(offset, offset + count):
+        raw[i] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def rewrite_shard(data_dir: Path, name: str, tokens: np.ndarray):
+    """Replace a shard and record its new sha256, as a foreign but self-consistent file."""
+    raw = tokens.tobytes()
+    (data_dir / name).write_bytes(raw)
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    for split in manifest["splits"].values():
+        for shard in split["shards"]:
+            if shard["file"] == name:
+                shard["sha256"] = hashlib.sha256(raw).hexdigest()
+    (data_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_loader_refuses_a_shard_changed_after_prepare(prepared, tmp_path):
     data.verify(prepared)  # the prepared directory passes as written
     bad = copy_of(prepared, tmp_path)
-    raw = bytearray((bad / "val_00000.bin").read_bytes())
-    raw[5] ^= 1  # same size, so only the checksum can tell
-    (bad / "val_00000.bin").write_bytes(bytes(raw))
-    PackedShardLoader(bad, "val", T, 1)  # the cheap start-up check passes...
-    with pytest.raises(ValueError, match="val_00000.bin has sha256"):
-        data.verify(bad)  # ...the --verify pass does not
+    flip_bytes(bad / "train_00001.bin", 100, 64)  # same size: the size check cannot tell
+    message = (r"train_00001.bin: sha256 does not match manifest.json \(the file changed "
+               r"after it was prepared.*python prepare.py.*or restore the file")
+    with pytest.raises(ValueError, match=message):
+        PackedShardLoader(bad, "train", T, 1)
+    PackedShardLoader(bad, "val", T, 1)  # only the split opened is hashed
+    with pytest.raises(ValueError, match=message):
+        data.verify(bad)
+
+
+def test_loader_refuses_ids_beyond_the_vocabulary(prepared, tmp_path):
+    bad = copy_of(prepared, tmp_path)
+    vocab_size = data.load_manifest(prepared)["vocab_size"]
+    tokens = np.fromfile(bad / "val_00000.bin", dtype=np.uint16)
+    tokens[-1] = vocab_size + 1000  # the very last id: the whole file is scanned
+    rewrite_shard(bad, "val_00000.bin", tokens)
+    message = (f"val_00000.bin holds token id {vocab_size + 1000} but the tokenizer has "
+               f"{vocab_size:,} ids")
+    with pytest.raises(ValueError, match=message):
+        PackedShardLoader(bad, "val", T, 1)
+    with pytest.raises(ValueError, match=message):
+        data.verify(bad)
+    tokens[-1] = vocab_size - 1  # the largest id the embedding has a row for
+    rewrite_shard(bad, "val_00000.bin", tokens)
+    PackedShardLoader(bad, "val", T, 1)
+
+
+def test_scan_reads_in_chunks_and_matches_whole_file_oracles(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "VERIFY_CHUNK_BYTES", 64)  # many chunks and a partial last one
+    for dtype in (np.uint16, np.uint32):
+        tokens = np.random.default_rng(0).integers(0, 1000, 1001).astype(dtype)
+        for where in (0, 500, 1000):  # the largest id in the first, a middle, the last chunk
+            tokens[where] = 5000
+            path = tmp_path / f"shard_{where}.bin"
+            path.write_bytes(tokens.tobytes())
+            digest, largest = data.scan_shard(path, np.dtype(dtype))
+            assert digest == hashlib.sha256(tokens.tobytes()).hexdigest()
+            assert largest == 5000
+            tokens[where] = 0
+    (tmp_path / "empty.bin").write_bytes(b"")
+    assert data.scan_shard(tmp_path / "empty.bin", np.dtype(np.uint16)) == (
+        hashlib.sha256(b"").hexdigest(), -1)
+
+
+def test_each_shard_is_hashed_once_per_process_until_it_changes(prepared, tmp_path,
+                                                                monkeypatch):
+    fresh = copy_of(prepared, tmp_path)
+    real_scan, scanned = data.scan_shard, []
+
+    def counting_scan(path, dtype):
+        scanned.append(path.name)
+        return real_scan(path, dtype)
+
+    monkeypatch.setattr(data, "scan_shard", counting_scan)
+    n_val = len(data.load_manifest(fresh)["splits"]["val"]["shards"])
+    for _ in range(3):  # as train.py rebuilds the val loader at every evaluation
+        PackedShardLoader(fresh, "val", T, 1)
+    assert len(scanned) == n_val
+    scanned.clear()
+    flip_bytes(fresh / "val_00000.bin", 0, 64)
+    stat = (fresh / "val_00000.bin").stat()  # a later mtime, as a real edit would leave
+    os.utime(fresh / "val_00000.bin", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    with pytest.raises(ValueError, match="val_00000.bin: sha256 does not match"):
+        PackedShardLoader(fresh, "val", T, 1)
+    assert scanned == ["val_00000.bin"]  # the changed file only
+    scanned.clear()
+    shutil.copy(prepared / "val_00000.bin", fresh / "val_00000.bin")
+    data.verify(fresh)  # --verify hashes every shard, remembered or not
+    assert len(scanned) == len(list(fresh.glob("*.bin")))
+
+
+def test_fingerprint_names_the_prepared_data(prepared):
+    manifest = data.load_manifest(prepared)
+    fingerprint = data.fingerprint(manifest)
+    assert re.fullmatch(r"[0-9a-f]{64}", fingerprint)
+    assert data.fingerprint(json.loads(json.dumps(manifest))) == fingerprint  # a reread
+    assert data.fingerprint({**manifest, "source": "elsewhere"}) == fingerprint  # not identity
+    for split in ("train", "val"):
+        for i in range(len(manifest["splits"][split]["shards"])):
+            for field, value in (("sha256", "0" * 64), ("tokens", 1), ("file", "x.bin")):
+                other = json.loads(json.dumps(manifest))
+                other["splits"][split]["shards"][i][field] = value
+                assert data.fingerprint(other) != fingerprint, (split, i, field)
+    other = json.loads(json.dumps(manifest))
+    other["tokenizer"]["sha256"] = "0" * 64
+    assert data.fingerprint(other) != fingerprint
+    every = [s for split in ("train", "val") for s in manifest["splits"][split]["shards"]]
+    other = {**manifest, "splits": {"train": {"shards": []}, "val": {"shards": every}}}
+    assert data.fingerprint(other) != fingerprint  # the same shards, in order, but all val
+
+
+def test_train_order_is_the_documented_permutation(prepared):
+    """Epoch e visits windows in default_rng([seed, e]).permutation order: saved cursors
+    mean the same windows only while this holds, so it is pinned against the plain reader."""
+    tokens = stream(prepared, "train")
+    loader = PackedShardLoader(prepared, "train", T, micro_batch_size=4, seed=11)
+    order = np.random.default_rng([11, 0]).permutation(loader.windows_per_epoch)
+    for step in range(5):
+        windows = order[step * 4:step * 4 + 4]
+        expected = np.stack([tokens[w * T:w * T + T + 1] for w in windows])  # (B, T+1)
+        batch = next(loader)
+        assert np.array_equal(batch["input_ids"].numpy(), expected[:, :-1])
+        assert np.array_equal(batch["targets"].numpy(), expected[:, 1:])
 
 
 def test_tokenizer_whose_hash_differs_from_the_manifest(prepared, tmp_path):

@@ -218,6 +218,29 @@ def test_rope_scores_depend_only_on_relative_position():
     torch.testing.assert_close(score(0, 0), (q * k).sum())  # position 0 is no rotation
 
 
+def test_rope_angles_are_position_times_theta_to_the_minus_2i_over_d():
+    """RoFormer (arXiv 2104.09864, eq. 15): pair i of a D-dim head turns by m·θ^(-2i/D) at
+    position m. The relative-position test above holds for any frequencies; this pins them,
+    by hand: for D 8 and θ 10,000 the pairs turn by 1, 0.1, 0.01 and 0.001 rad per position.
+    Measured difference 3.0e-8 (fp32), tolerance 1e-6; a wrong exponent, i/D instead of 2i/D,
+    is off by 0.045 at position 1 and 1.7 at position 1,000."""
+    positions = [0, 1, 7, 1000]
+    cos, sin = M.rope_cos_sin(torch.tensor([positions]), 8, 10000.0)  # (1, 4, D/2)
+    assert cos.shape == sin.shape == (1, 4, 4)
+    for t, m in enumerate(positions):
+        for i, per_position in enumerate([1.0, 0.1, 0.01, 0.001]):  # 10000 ** (-2i / 8)
+            assert cos[0, t, i].item() == pytest.approx(math.cos(m * per_position), abs=1e-6)
+            assert sin[0, t, i].item() == pytest.approx(math.sin(m * per_position), abs=1e-6)
+    # apply_rope turns dims i and i + D/2 as one pair (the half-split of GPT-NeoX and Llama):
+    # unit vector e_i goes to cos·e_i + sin·e_(i+D/2), and e_(i+D/2) to −sin·e_i + cos·e_(i+D/2).
+    rotated = M.apply_rope(torch.eye(8)[None, None], cos[:, 2:3], sin[:, 2:3])[0, 0]  # m = 7
+    c, s = cos[0, 2], sin[0, 2]  # (D/2,)
+    want = torch.zeros(8, 8)
+    for i in range(4):
+        want[i, i], want[i, i + 4], want[i + 4, i], want[i + 4, i + 4] = c[i], s[i], -s[i], c[i]
+    torch.testing.assert_close(rotated, want, rtol=0, atol=1e-6)
+
+
 def test_nope_layers_ignore_positions_and_rope_layers_do_not():
     assert [M.uses_rope(config.StackConfig(), i) for i in range(8)] == \
         [True, True, True, False, True, True, True, False]  # layers 4 and 8, from 1
@@ -251,6 +274,57 @@ def test_qk_norm_makes_attention_blind_to_the_scale_of_q_and_k(qk_norm):
         attn.k_proj.weight.mul_(10)
     changed = (attn(x, *cos_sin, None) - before).abs().max()
     assert (changed < 1e-5) if qk_norm else (changed > 1e-3)
+
+
+def explicit_attention_layer(attn, x, cos, sin, norm_first: bool):
+    """Attention written out from its parts: project, RMSNorm each head's q and k with the
+    gains (F.rms_norm), rotate each (i, i + D/2) pair by hand, causal SDPA with the kv heads
+    repeated for GQA, output projection. norm_first=False rotates before the norm."""
+    (B, T, _), D = x.shape, attn.head_dim
+    q = (x @ attn.q_proj.weight.T).view(B, T, -1, D)  # (B, T, H, D)
+    k = (x @ attn.k_proj.weight.T).view(B, T, -1, D)  # (B, T, K, D)
+    v = (x @ attn.v_proj.weight.T).view(B, T, -1, D)  # (B, T, K, D)
+
+    def rotate(t):
+        first, second = t.chunk(2, dim=-1)
+        c, s = cos[:, :, None], sin[:, :, None]  # (B, T, 1, D/2)
+        return torch.cat([first * c - second * s, second * c + first * s], dim=-1)
+
+    def norm(t, gains):
+        return F.rms_norm(t, (D,), gains, eps=attn.q_norm.eps)
+
+    if norm_first:
+        q, k = rotate(norm(q, attn.q_norm.weight)), rotate(norm(k, attn.k_norm.weight))
+    else:
+        q, k = norm(rotate(q), attn.q_norm.weight), norm(rotate(k), attn.k_norm.weight)
+    repeat = q.shape[2] // k.shape[2]
+    y = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(repeat, dim=1),
+        v.transpose(1, 2).repeat_interleave(repeat, dim=1), is_causal=True)  # (B, H, T, D)
+    return y.transpose(1, 2).reshape(B, T, -1) @ attn.o_proj.weight.T  # (B, T, C)
+
+
+def test_qk_norm_with_learned_gains_is_applied_before_rope():
+    """With unit gains (as at init) the two orders agree to ~1e-7, since a rotation keeps the
+    RMS; learned gains that differ between dims i and i + D/2 do not commute with it. So the
+    gains here are random, and the layer must equal the norm-then-rotate reference. Measured
+    difference 0.0 (relative to the output's largest entry), tolerance 1e-6; rotate-then-norm
+    is off by 0.14 (and by 1.6e-7 with unit gains, which is why they are not used here)."""
+    attn = small_model().blocks[0].attn
+    assert attn.use_rope and isinstance(attn.q_norm, M.RMSNorm)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        attn.q_norm.weight.copy_(torch.rand(8, generator=gen) * 1.5 + 0.25)  # (D,) in [0.25, 1.75]
+        attn.k_norm.weight.copy_(torch.rand(8, generator=gen) * 1.5 + 0.25)
+    x = torch.randn(2, 7, 32, generator=gen)
+    cos, sin = M.rope_cos_sin(torch.arange(7).expand(2, 7) * 3, 8, 10000.0)  # sizeable angles
+    with torch.no_grad():
+        out = attn(x, cos, sin, None)
+        scale = out.abs().max()
+        right = (out - explicit_attention_layer(attn, x, cos, sin, norm_first=True)).abs().max()
+        swapped = (out - explicit_attention_layer(attn, x, cos, sin, norm_first=False)).abs().max()
+    assert right / scale < 1e-6, (right / scale).item()
+    assert swapped / scale > 10 * 1e-6, (swapped / scale).item()
 
 
 def test_rms_norm_matches_functional():
@@ -465,7 +539,34 @@ def test_sampling_respects_top_k_and_temperature():
         small_model().generate(torch.zeros(1, 60, dtype=torch.long), max_new_tokens=10)
 
 
-def write_tiny_export(export_dir):
+SAMPLING_LOGITS = [3.0, 2.0, 1.0, 0.0, -1.0, -2.0]
+
+
+def softmax_by_hand(logits: list[float]) -> list[float]:
+    weights = [math.exp(x) for x in logits]
+    return [w / sum(weights) for w in weights]
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_sampling_follows_softmax_of_logits_over_temperature(temperature):
+    """A million draws (one per row) against softmax(logits / T), computed by hand. Largest
+    frequency error measured 1.4e-4 (T 0.5) and 4.4e-4 (T 2); ~1.2e-3 at worst over 20
+    seeds, where one draw's standard error is 4.9e-4. Tolerance 0.01. A temperature that is
+    ignored, or that multiplies the logits, moves some probability by 0.22 or 0.45: >= 10x."""
+    tolerance = 0.01
+    want = softmax_by_hand([x / temperature for x in SAMPLING_LOGITS])
+    n = 1_000_000
+    torch.manual_seed(0)
+    draws = M.sample_next_token(torch.tensor(SAMPLING_LOGITS).expand(n, 6), temperature, None)
+    assert draws.shape == (n, 1)
+    frequencies = (torch.bincount(draws.flatten(), minlength=6) / n).tolist()
+    assert max(abs(f - w) for f, w in zip(frequencies, want, strict=True)) < tolerance
+    for wrong in (softmax_by_hand(SAMPLING_LOGITS),  # temperature ignored
+                  softmax_by_hand([x * temperature for x in SAMPLING_LOGITS])):  # multiplied
+        assert max(abs(a - w) for a, w in zip(wrong, want, strict=True)) > 10 * tolerance
+
+
+def write_tiny_export(export_dir, **model_overrides):
     """A random tiny model and a small byte-level BPE tokenizer, as train.py exports them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -476,7 +577,7 @@ def write_tiny_export(export_dir):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     text = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n"] * 20
     tokenizer.train_from_iterator(text, trainer)
-    cfg = small_cfg(vocab_size=tokenizer.get_vocab_size())
+    cfg = small_cfg(vocab_size=tokenizer.get_vocab_size(), **model_overrides)
     torch.manual_seed(0)
     os.makedirs(export_dir, exist_ok=True)
     torch.save(M.Transformer(cfg).state_dict(), os.path.join(export_dir, "model.pt"))
@@ -486,18 +587,63 @@ def write_tiny_export(export_dir):
     return cfg
 
 
-def test_sample_cli_prints_completions(tmp_path):
+def greedy_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
+    """The oracle for sample.complete at temperature 0: model.generate on the prompt's ids,
+    after the end-of-text token that opens every document in training (data.py), decoded
+    whole. It must not stop early, so that nothing is cut."""
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    ids = [eot] + tokenizer.encode(prompt).ids
+    tokens = model.generate(torch.tensor([ids]), max_new_tokens, temperature=0)[0].tolist()
+    new = tokens[len(ids):]
+    assert len(new) == max_new_tokens and eot not in new and len(set(new)) > 3, new
+    return tokenizer.decode(tokens[1:])
+
+
+def test_greedy_completion_is_the_whole_generated_text(tmp_path):
+    import sample
+
+    write_tiny_export(str(tmp_path), init_std=0.3)  # at 0.02 it repeats one token
+    model, tokenizer = sample.load_export(str(tmp_path))
+    want = greedy_text(model, tokenizer, "def add(", 24)
+    assert sample.complete(model, tokenizer, "def add(", 24, temperature=0, top_k=None) == want
+    assert want.startswith("def add(") and len(want) > len("def add(") + 10
+
+
+def test_completion_stops_at_the_first_end_of_text():
+    """A scripted model whose generate appends a, b, <eot>, c: the text is the prompt and
+    a, b, decoded."""
+    import types
+
+    import sample
+    from tokenizers import Tokenizer, models
+
+    tokenizer = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "x": 1, "a": 2, "b": 3, "c": 4},
+                                           unk_token="x"))
+    continuation = torch.tensor([[2, 3, 0, 4]])
+    scripted = types.SimpleNamespace(
+        embed=types.SimpleNamespace(weight=torch.zeros(1)),
+        generate=lambda ids, n, temperature, top_k: torch.cat([ids, continuation], dim=1))
+    assert sample.complete(scripted, tokenizer, "x", 4, temperature=0, top_k=None) == \
+        tokenizer.decode([1, 2, 3])
+
+
+def test_sample_cli_prints_whole_greedy_completions(tmp_path):
+    """The CLI end to end at temperature 0: each printed completion is model.generate's
+    whole text, decoded, not just something that starts with the prompt."""
+    import sample
+
     export = tmp_path / "export"
-    write_tiny_export(str(export))
+    write_tiny_export(str(export), init_std=0.3)
     result = subprocess.run(
         [sys.executable, os.path.join(REPO, "sample.py"), "--export", str(export),
-         "--prompt", "def ", "--max_new_tokens", "16", "--temperature", "0.8",
-         "--top_k", "50", "--num_samples", "2", "--seed", "1337"],
-        capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
+         "--prompt", "def ", "--max_new_tokens", "16", "--temperature", "0",
+         "--top_k", "0", "--num_samples", "2", "--seed", "1337"],
+        capture_output=True, text=True, encoding="utf-8", timeout=60, cwd=str(tmp_path),
+        env=os.environ | {"PYTHONIOENCODING": "utf-8"})
     assert result.returncode == 0, result.stderr
-    samples = [s for s in result.stdout.split("---------------") if s.strip()]
-    assert len(samples) == 2
-    assert all(s.strip().startswith("def") for s in samples)
+    model, tokenizer = sample.load_export(str(export))
+    want = greedy_text(model, tokenizer, "def ", 16)
+    assert result.stdout == f"{want}\n---------------\n" * 2
 
 
 def test_load_export_round_trips_the_weights(tmp_path):
@@ -511,3 +657,100 @@ def test_load_export_round_trips_the_weights(tmp_path):
         assert torch.equal(p, q), name
     assert tokenizer.token_to_id("<|endoftext|>") is not None
     assert not model.training
+
+
+# ---------------------------------------------------------------------------------------
+# The loss head on bf16 operands (TrainConfig.loss_head_dtype="bf16")
+# ---------------------------------------------------------------------------------------
+
+# bf16 keeps 8 significant bits: rounding to nearest moves x by at most 2^-8·|x|.
+BF16_UNIT_ROUNDOFF = 2.0 ** -8
+
+
+def head_inputs(n=48, d=64, v=300, seed=0):
+    """Unit-scale hidden states and a head whose logits have std ~3 (logsumexp ~10, as
+    early in training), with three ignored rows."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, d, generator=gen)
+    weight = 0.4 * torch.randn(v, d, generator=gen)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    targets[[0, 7, n - 1]] = -100
+    return hidden, weight, targets
+
+
+def head_loss_and_grads(hidden, weight, targets, head_dtype, z_loss=0.01):
+    """(loss, grad_hidden, grad_weight) of the chunked head; z_loss large enough that a
+    wrong z-loss gradient shows, chunk_size 20 not dividing the 48 rows."""
+    hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, _, _ = M.fused_ce_z_loss(hidden, weight, targets, z_loss, chunk_size=20,
+                                   head_dtype=head_dtype)
+    return (loss.detach(), *torch.autograd.grad(loss, (hidden, weight)))
+
+
+def test_bf16_head_is_the_fp32_head_on_bf16_rounded_operands():
+    """Given operands already rounded to bf16, the bf16 head must compute what the fp32 head
+    computes. Forward: its logits, softmax and logsumexp are fp32, so the losses agree to
+    fp32 summation noise (rtol 1e-5); a logsumexp rounded to bf16, or logits written in
+    bf16, were off by 2.6e-4 and 3.0e-4 relative. Backward: the one extra rounding is
+    dlogits' to bf16 before the two gradient matmuls; each dlogits element moves by at most
+    2^-8 of itself, so each gradient element by at most 2^-8·(|dlogits| @ |the other
+    operand|), the bound checked (+1% for fp32 summation order; measured up to 0.91 of it).
+    The oracle dlogits come from autograd through full logits and F.cross_entropy."""
+    hidden, weight, targets = head_inputs()
+    hidden, weight = hidden.bfloat16().float(), weight.bfloat16().float()
+    loss16, grad_hidden16, grad_weight16 = head_loss_and_grads(hidden, weight, targets, "bf16")
+    loss32, grad_hidden32, grad_weight32 = head_loss_and_grads(hidden, weight, targets, "fp32")
+    torch.testing.assert_close(loss16, loss32, rtol=1e-5, atol=0)
+
+    logits = (hidden @ weight.T).requires_grad_()  # (N, V)
+    valid = targets != -100
+    lse = torch.logsumexp(logits, dim=-1)[valid]
+    reference = (F.cross_entropy(logits, targets, reduction="sum")
+                 + 0.01 * lse.square().sum()) / valid.sum()
+    dlogits, = torch.autograd.grad(reference, logits)
+    bound_hidden = 1.01 * BF16_UNIT_ROUNDOFF * (dlogits.abs() @ weight.abs())  # (N, C)
+    bound_weight = 1.01 * BF16_UNIT_ROUNDOFF * (dlogits.abs().T @ hidden.abs())  # (V, C)
+    assert ((grad_hidden16 - grad_hidden32).abs() <= bound_hidden).all()
+    assert ((grad_weight16 - grad_weight32).abs() <= bound_weight).all()
+    assert not torch.equal(grad_weight16, grad_weight32)  # the bf16 path did run
+
+
+def test_bf16_head_stays_within_operand_rounding_of_the_fp32_head():
+    """On fp32 operands the bf16 head differs from the fp32 head only by rounding them to
+    bf16 (2^-8 relative each). To first order every logit then moves by at most
+    δ = 2·2^-8·(|h| @ |w|ᵀ), so each row's lse − l_y + z·lse² by at most
+    (1 + 2z·|lse|)·max δ + δ_y: that bound, averaged over the rows, is the loss tolerance.
+    Gradients: a relative (Frobenius) error of at most 4·2^-8 ≈ 1.6%, room for the rounding
+    of both operands and of dlogits (measured ~0.3% here); a gradient that drops the
+    z-loss term or a chunk is off by far more."""
+    hidden, weight, targets = head_inputs()
+    loss16, *grads16 = head_loss_and_grads(hidden, weight, targets, "bf16")
+    loss32, *grads32 = head_loss_and_grads(hidden, weight, targets, "fp32")
+    valid = targets != -100
+    shift = 2 * BF16_UNIT_ROUNDOFF * (hidden.abs() @ weight.abs().T)  # (N, V)
+    lse = torch.logsumexp(hidden @ weight.T, dim=-1)  # (N,)
+    row_bound = ((1 + 2 * 0.01 * lse.abs()) * shift.amax(dim=-1)
+                 + shift.gather(1, targets.clamp(min=0)[:, None]).squeeze(1))
+    assert (loss16 - loss32).abs() <= row_bound[valid].mean()
+    for got, want in zip(grads16, grads32, strict=True):
+        assert (got - want).norm() <= 4 * BF16_UNIT_ROUNDOFF * want.norm()
+
+
+def test_loss_head_dtype_knob_reaches_the_head():
+    """TrainConfig.loss_head_dtype -> train.build_model -> model.loss_head_dtype -> the
+    head: the bf16 model's loss moves by operand rounding only; other values are refused."""
+    import train
+
+    cfg = config.apply_overrides(config.tiny(), {"loss_head_dtype": "bf16"})
+    assert train.build_model(cfg, compile_model=False).loss_head_dtype == "bf16"
+    model = small_model()
+    ids = torch.randint(0, 97, (2, 12))
+    loss32 = model(ids, targets=ids).loss
+    model.loss_head_dtype = "bf16"
+    loss16 = model(ids, targets=ids).loss
+    assert loss16 != loss32 and abs(loss16 - loss32) < 1e-2 * loss32
+    with pytest.raises(ValueError, match="loss_head_dtype"):
+        config.TrainConfig(loss_head_dtype="fp16")
+    with pytest.raises(ValueError, match="head_dtype"):
+        M.fused_ce_z_loss(torch.zeros(2, 4), torch.zeros(3, 4), torch.zeros(2, dtype=torch.long),
+                          0.0, 2, head_dtype="fp16")

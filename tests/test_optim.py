@@ -595,16 +595,30 @@ def sharded_runs(tmp_path_factory):
             3: torchrun(3, "resume", tmp / "ckpt", tmp / "three.json")}
 
 
+# Largest relative weight error of the real code against single-process Muon, measured on
+# this machine: 0.0 (bitwise) at 2 ranks; 3.0e-6 at 3 ranks, because FSDP's average of the
+# ranks' identical fp32 gradients, (g + g + g) / 3, is 1 ulp off g in ~15% of entries (with
+# the reference fed that same average the 3-rank error is 0.0 too) and 5 Newton-Schulz steps
+# grow it; 8.1e-7 resumed. The tolerance is >= 10x each (16x the largest); every negative
+# control (0.15 to 0.39) lands >= 10x above it.
+SHARDED_MUON_TOL = 5e-5
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sharded_muon_equals_single_process_muon(sharded_runs, world_size):
     """Rows 13 and 2 do not split evenly over the ranks. The negative control, which
-    orthogonalises local shards only, is off by tens of percent: the test can tell."""
+    orthogonalises local shards only, is off by tens of percent (0.37 at 2 ranks, 0.39 at
+    3): the test can tell."""
     result = sharded_runs[world_size]
-    assert result["muon"] < 1e-5
-    assert result["local_shard_muon"] > 1e-2
+    assert result["muon"] < SHARDED_MUON_TOL, result
+    assert result["local_shard_muon"] > 10 * SHARDED_MUON_TOL, result
 
 
 @pytest.mark.distributed
 def test_sharded_checkpoint_reloads_on_another_number_of_ranks(sharded_runs):
-    assert sharded_runs[3]["resumed"] < 1e-5
+    """Saved at 2 ranks, resumed at 3. The negative control reloads only the weights, so Muon
+    restarts from zero momentum: off by 0.15, so the momentum buffers are really restored."""
+    result = sharded_runs[3]
+    assert result["resumed"] < SHARDED_MUON_TOL, result
+    assert result["resumed_without_momentum"] > 10 * SHARDED_MUON_TOL, result

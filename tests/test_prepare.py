@@ -4,6 +4,7 @@ and the manifest against the source documents, and every kind of source and bad 
 import hashlib
 import importlib.machinery
 import json
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -14,9 +15,7 @@ from tokenizers import Tokenizer, models
 import data
 import prepare
 from data import EOS_TOKEN
-# the loader tests' tiny corpus and its prepared directory (module fixtures), and their
-# plain readers of the shards: one corpus for both files
-from test_data import copy_of, corpus, documents_of, prepared, stream  # noqa: F401
+from conftest import copy_of, documents_of, stream
 
 
 # ---------------------------------------------------------------------------------------
@@ -248,5 +247,52 @@ def test_cli_verify_checks_every_checksum(prepared, tmp_path, capsys):
     raw = bytearray((bad / "val_00000.bin").read_bytes())
     raw[5] ^= 1  # same size, so only the checksum can tell
     (bad / "val_00000.bin").write_bytes(bytes(raw))
-    with pytest.raises(ValueError, match="val_00000.bin has sha256"):
+    with pytest.raises(SystemExit) as exit_info:
         prepare.main(["--verify", str(bad)])
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    assert stderr.startswith("error: ") and stderr.count("\n") == 1
+    assert f"{bad / 'val_00000.bin'}: sha256 does not match manifest.json" in stderr
+    with pytest.raises(ValueError, match="val_00000.bin: sha256 does not match"):
+        prepare.main(["--verify", str(bad), "--debug"])  # the exception itself, for a traceback
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_prepare(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "prepare.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str):
+    """Exit status 2 and one `error: ...` line on stderr that names what is wrong."""
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_cli_bad_arguments_are_one_line_each(corpus, tmp_path):
+    a_file = tmp_path / "taken"
+    a_file.write_text("not a directory")
+    result = run_prepare("--source", str(corpus[0]), "--out", str(a_file), cwd=tmp_path)
+    assert_one_line_error(result, f"--out {a_file}: {a_file} is a file, not a directory")
+    result = run_prepare("--source", str(corpus[0]), "--out", str(a_file / "sub"), cwd=tmp_path)
+    assert_one_line_error(result, f"{a_file} is a file")
+    missing = tmp_path / "nowhere" / "corpus"
+    result = run_prepare("--source", str(missing), "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert_one_line_error(result, f"--source {missing}: no such file or directory")
+    (tmp_path / "unprepared").mkdir()
+    result = run_prepare("--verify", str(tmp_path / "unprepared"), cwd=tmp_path)
+    assert_one_line_error(result, str(tmp_path / "unprepared" / "manifest.json"), "is missing",
+                          "python prepare.py")
+    assert not (tmp_path / "o").exists()  # refused before any work
+
+
+def test_cli_debug_shows_the_traceback(tmp_path):
+    result = run_prepare("--verify", str(tmp_path / "absent"), "--debug", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr and "FileNotFoundError" in result.stderr

@@ -14,8 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tokenizers import Tokenizer
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
 import checkpoint
+import data
 import model as model_lib
 import optim
 import report
@@ -124,6 +131,44 @@ def test_micro_batch_split_does_not_change_training(small_data_dir, tmp_path):
     assert_weights(checkpoint_weights(whole, 8), checkpoint_weights(split, 8), atol=2e-5)
 
 
+def mask_targets_by_window(monkeypatch):
+    """Every batch the loaders make gets the first k of each row's 64 targets masked (-100),
+    k = 37·window mod 61, from 0 to 60: micro-batches then hold different numbers of
+    targets, and a window is masked alike however the global batch is split."""
+    original = data.PackedShardLoader.batch
+
+    def batch(self, windows):
+        out = original(self, windows)
+        for row, window in enumerate(windows):
+            out["targets"][row, :int(window) * 37 % 61] = -100
+        return out
+    monkeypatch.setattr(data.PackedShardLoader, "batch", batch)
+
+
+def test_accumulation_normalises_by_the_global_target_count(small_data_dir, tmp_path,
+                                                            monkeypatch):
+    """With masked targets the two micro-batches of a step hold different numbers of
+    targets; 1 × micro 4 × accum 2 must still train as 1 × micro 8 × accum 1, whose loss is
+    the mean over every target of the global batch. Measured, real code vs a mean of
+    per-micro-batch means (which weights a target by the size of its micro-batch), against
+    the tolerance: loss 9e-8 vs 3e-3 relative (1e-5), grad_norm 4e-7 vs 7e-2 relative
+    (1e-5), step-8 weights 1.1e-5 vs 6e-2 absolute (2e-4)."""
+    mask_targets_by_window(monkeypatch)
+    whole = micro_config(small_data_dir, str(tmp_path / "whole"), micro_batch_size=8)
+    split = micro_config(small_data_dir, str(tmp_path / "split"), micro_batch_size=4)
+    assert whole.grad_accum_steps(1) == 1 and split.grad_accum_steps(1) == 2
+    # The inputs make the mistake visible: the two micro-batches of every step differ.
+    loader = data.PackedShardLoader(small_data_dir, "train", split.seq_len, 4, seed=split.seed)
+    counts = [int((next(loader)["targets"] != -100).sum()) for _ in range(16)]
+    assert all(a != b for a, b in zip(counts[::2], counts[1::2])), counts
+    train.main(whole)
+    train.main(split)
+    for a, b in zip(train_records(whole), train_records(split), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=0)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5, abs=0)
+    assert_weights(checkpoint_weights(whole, 8), checkpoint_weights(split, 8), atol=2e-4)
+
+
 @pytest.mark.distributed
 def test_two_ranks_equal_one_rank_with_accumulation(small_data_dir, tmp_path):
     """2 processes × accum 1 (DDP over gloo) equal 1 process × accum 2; then the 2-rank
@@ -134,6 +179,10 @@ def test_two_ranks_equal_one_rank_with_accumulation(small_data_dir, tmp_path):
     launch(two, processes=2)
     for a, b in zip(train_records(one)[:4], train_records(two), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        # The logged norm is the global gradient's, before clipping: a gradient that DDP's
+        # averaging left halved shows here (×0.5), not only through the weights. Measured
+        # 1 vs 2 ranks: identical (diff 0).
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5, abs=0)
     assert_weights(checkpoint_weights(one, 4), checkpoint_weights(two, 4), atol=2e-5)
     state = json.loads((tmp_path / "two/ckpt/step_0000004/train_state.json").read_text())
     assert state["world_size"] == 2
@@ -172,6 +221,56 @@ def test_resume_is_bitwise_exact(small_data_dir, tmp_path):
     assert [r["loss"] for r in train_records(straight)] == \
         [r["loss"] for r in train_records(halves)]
     assert_weights(checkpoint_weights(straight, 8), checkpoint_weights(halves, 8))
+
+
+# Fields that measure the machine, not the run: they differ between any two runs.
+TIMING_FIELDS = {"tokens_per_s", "tflops", "tflops_palm", "mfu", "mfu_palm", "elapsed_s",
+                 "eta_s", "memory_gib"}
+
+
+def logged_rows(cfg) -> list[dict]:
+    """metrics.jsonl without the timing fields. An evaluation row equal to the row before
+    it is dropped: a resumed run evaluates again the step its first part ended on."""
+    rows = []
+    for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines():
+        row = {k: v for k, v in json.loads(line).items() if k not in TIMING_FIELDS}
+        if not ("val_loss" in row and rows and row == rows[-1]):
+            rows.append(row)
+    return rows
+
+
+def test_resume_continues_every_logged_metric(small_data_dir, tmp_path):
+    """A stopped-and-resumed run logs what a straight run logs, every field of every row
+    (tokens_seen, both lrs, grad_norm, ce, z, the evaluations), bit for bit: real diff 0,
+    tolerance 0. (skipped_steps is 0 throughout here; the next test makes it count.)"""
+    straight = micro_config(small_data_dir, str(tmp_path / "straight"))
+    halves = micro_config(small_data_dir, str(tmp_path / "halves"), stop_at_step=4)
+    train.main(straight)
+    train.main(halves)
+    train.main(dataclasses.replace(halves, stop_at_step=8))
+    rows = logged_rows(straight)
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 9))
+    assert [r["step"] for r in rows if "val_loss" in r] == [0, 4, 8]
+    assert rows[-2]["tokens_seen"] == 8 * straight.global_batch_tokens
+    assert logged_rows(halves) == rows
+
+
+def test_resume_keeps_the_skipped_step_count(small_data_dir, tmp_path, monkeypatch):
+    """One skipped update (NaN loss at step index 1) before the stop at step 4: after the
+    resume, skipped_steps must still say 1, as in the straight run."""
+    straight = micro_config(small_data_dir, str(tmp_path / "straight"))
+    halves = micro_config(small_data_dir, str(tmp_path / "halves"), stop_at_step=4)
+    accum = straight.grad_accum_steps(1)
+    for cfg in (straight, halves):
+        inject_nan_loss(monkeypatch, bad_steps={1}, accum=accum)
+        train.main(cfg)
+        monkeypatch.undo()  # the next run counts its forwards from 0 again
+    train.main(dataclasses.replace(halves, stop_at_step=8))
+    rows, resumed = logged_rows(straight), logged_rows(halves)
+    assert [r["step"] for r in rows if r.get("skipped")] == [2]
+    assert [{**r, "skipped_steps": 0} for r in resumed] == \
+        [{**r, "skipped_steps": 0} for r in rows]  # all else agrees
+    assert [r.get("skipped_steps") for r in resumed] == [r.get("skipped_steps") for r in rows]
 
 
 def test_sigterm_saves_exits_zero_and_resumes_exactly(small_data_dir, tmp_path):
@@ -222,11 +321,17 @@ def inject_nan_loss(monkeypatch, bad_steps: set[int], accum: int):
 
 
 def test_non_finite_loss_skips_the_update(small_data_dir, tmp_path, monkeypatch):
+    """Step index 2 (the third update, row 3) has a NaN loss: its update is skipped, so the
+    weights after row 3 are those after row 2; no checkpoint is written for row 3, which
+    is inside the (one-step) non-finite streak; training goes on at row 4."""
     cfg = micro_config(small_data_dir, str(tmp_path), stop_at_step=4, ckpt_every=1)
     inject_nan_loss(monkeypatch, bad_steps={2}, accum=cfg.grad_accum_steps(1))
+    steps, original = [], optim.Optimizers.step
+    monkeypatch.setattr(optim.Optimizers, "step", lambda self: (steps.append(1), original(self)))
     train.main(cfg)
-    # step index 2 is the third update: skipped, so the weights after it equal those before
-    assert_weights(checkpoint_weights(cfg, 2), checkpoint_weights(cfg, 3))
+    assert len(steps) == 3  # rows 1, 2 and 4 updated the weights; row 3 did not
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == \
+        ["step_0000001", "step_0000002", "step_0000004"]
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if r.get("skipped")] == [3]  # numbered as training rows
     assert train_records(cfg)[-1]["skipped_steps"] == 1
@@ -235,11 +340,24 @@ def test_non_finite_loss_skips_the_update(small_data_dir, tmp_path, monkeypatch)
 def test_consecutive_non_finite_steps_stop_the_run(small_data_dir, tmp_path, monkeypatch):
     cfg = micro_config(small_data_dir, str(tmp_path), ckpt_every=2, max_bad_steps=2)
     inject_nan_loss(monkeypatch, bad_steps={2, 3, 4, 5, 6, 7}, accum=cfg.grad_accum_steps(1))
-    with pytest.raises(RuntimeError, match="2 consecutive non-finite steps"):
+    with pytest.raises(train.TrainingDiverged, match="2 consecutive non-finite steps"):
         train.main(cfg)
-    assert checkpoint.find(cfg.out_dir, "auto").name == "step_0000002"
-    weights = checkpoint_weights(cfg, 2)
-    assert all(torch.isfinite(w).all() for w in weights.values())
+    # step_0000002's weights gave the first non-finite loss (row 3): set aside, not deleted
+    assert checkpoint.find(cfg.out_dir, "auto") is None
+    assert (tmp_path / "ckpt" / "step_0000002.diverged" / "train_state.json").exists()
+
+
+def test_isolated_non_finite_steps_do_not_stop_the_run(small_data_dir, tmp_path, monkeypatch):
+    """max_bad_steps counts consecutive bad steps: NaN losses at step indices 1, 3 and 5,
+    each followed by a good step, never make 2 in a row, so the run finishes."""
+    cfg = micro_config(small_data_dir, str(tmp_path), max_bad_steps=2)
+    inject_nan_loss(monkeypatch, bad_steps={1, 3, 5}, accum=cfg.grad_accum_steps(1))
+    train.main(cfg)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if r.get("skipped")] == [2, 4, 6]
+    last = train_records(cfg)[-1]
+    assert last["step"] == 8 and last["skipped_steps"] == 3
+    assert checkpoint.find(cfg.out_dir, "auto").name == "step_0000008"
 
 
 def test_non_finite_weights_are_never_checkpointed(small_data_dir, tmp_path, monkeypatch):
@@ -255,9 +373,167 @@ def test_non_finite_weights_are_never_checkpointed(small_data_dir, tmp_path, mon
                 for p in group["params"]:
                     p.data.fill_(float("nan"))
     monkeypatch.setattr(optim.Muon, "step", poisoned_step)
-    with pytest.raises(RuntimeError, match="non-finite values; refusing"):
-        train.main(cfg)
+    with pytest.raises(train.TrainingDiverged, match="5 consecutive non-finite steps"):
+        train.main(cfg)  # rows 4..8 are non-finite; row 4's checkpoint is not written
     assert checkpoint.find(cfg.out_dir, "auto").name == "step_0000002"
+
+
+# --- the step and its metrics against independent oracles -------------------------------
+
+def reference_loss_sum(model, batch, z_loss: float) -> torch.Tensor:
+    """Σ over the valid targets of CE + z·logsumexp², from the full logits in float64:
+    F.cross_entropy for the CE, logsumexp for PaLM's z-loss (not the model's fused head)."""
+    logits = model.logits(batch["input_ids"], batch["position_ids"], batch["seq_ids"])
+    logits, targets = logits.flatten(0, 1).double(), batch["targets"].flatten()  # (N, V), (N,)
+    lse = logits.logsumexp(-1)[targets != -100]
+    return F.cross_entropy(logits, targets, reduction="sum") + z_loss * lse.square().sum()
+
+
+def test_gradient_clipping_against_a_hand_clipped_gradient(small_data_dir, tmp_path,
+                                                           monkeypatch):
+    """The optimizers must see g·clip / max(‖g‖, clip), where g is the gradient of the mean
+    loss over the whole global batch. Here g is computed independently, on all 8 windows at
+    once from the full logits (`reference_loss_sum`), and clipped with plain math; the
+    gradients are read as the optimizers step. clip = 0.05 is far below every step's norm
+    (0.8–1.0 here), so clipping acts on every step; without it the optimizers see ~16×
+    the clipped norm."""
+    clip = 0.05
+    cfg = micro_config(small_data_dir, str(tmp_path), stop_at_step=3, grad_clip=clip)
+    built, seen = [], []  # the trainer's model; its gradients as the optimizers step
+    build_model = train.build_model
+    monkeypatch.setattr(train, "build_model", lambda *a: built.append(build_model(*a))
+                        or built[-1])
+    optimizers_step = optim.Optimizers.step
+
+    def step(self):
+        seen.append({n: p.grad.detach().clone() for n, p in built[0].named_parameters()})
+        optimizers_step(self)
+    monkeypatch.setattr(optim.Optimizers, "step", step)
+    train.main(cfg)
+    logged = [r["grad_norm"] for r in train_records(cfg)]
+
+    set_seed(cfg.seed)  # as train.build_model: the same initial weights
+    reference = Transformer(cfg.model)
+    windows = cfg.global_batch_tokens // cfg.seq_len  # the first step's windows, in one batch
+    batch = next(data.PackedShardLoader(small_data_dir, "train", cfg.seq_len, windows,
+                                        seed=cfg.seed))
+    (reference_loss_sum(reference, batch, cfg.model.z_loss) / batch["targets"].numel()) \
+        .backward()
+    g = {n: p.grad for n, p in reference.named_parameters()}
+    norm = math.sqrt(sum(float(x.double().square().sum()) for x in g.values()))
+    assert norm > 5 * clip and min(logged) > 5 * clip  # clipping acts on every step
+    # the logged norm is the pre-clip norm of the mean-loss gradient: real diff 4e-7
+    assert logged[0] == pytest.approx(norm, rel=1e-5)
+    # the first update's gradient, entry by entry, relative to its size: real diff 9e-7
+    clipped = {n: x * clip / max(norm, clip) for n, x in g.items()}
+    error = math.sqrt(sum(float((seen[0][n] - clipped[n]).double().square().sum()) for n in g))
+    assert error < 1e-4 * clip, error / clip
+    # every step: the optimizers see a norm of min(pre-clip norm, clip); real diff 1e-6
+    for grads, pre_clip in zip(seen, logged, strict=True):
+        seen_norm = math.sqrt(sum(float(x.double().square().sum()) for x in grads.values()))
+        assert seen_norm == pytest.approx(min(pre_clip, clip), rel=1e-4)
+
+
+def test_tflops_and_mfu_match_counted_flops_over_the_measured_step_time(
+        small_data_dir, tmp_path, monkeypatch):
+    """tflops, tflops_palm and mfu against FLOPs counted by torch's FlopCounterMode on one
+    step's forward and backward (every micro-batch, math SDPA as tests/test_model.py), over
+    each step's own measured seconds (train_step's result, recorded here).
+
+    The counter sees what the kernels compute, the PaLM convention plus the chunked head's
+    logit recompute (2·V·C per token); the causal convention counts half the attention
+    scores and 6 FLOPs per RMSNorm gain (no matmul). With those two corrections, stated in
+    plain numbers below, every relation is exact but for float rounding: tolerance 1e-9."""
+    monkeypatch.setattr(report, "peak_flops", lambda name: 2e12)  # pretend a 2 TFLOP/s chip
+    cfg = micro_config(small_data_dir, str(tmp_path), stop_at_step=3)
+    seconds = []
+    train_step = train.train_step
+
+    def timed(run, stop):
+        result = train_step(run, stop)
+        seconds.append(result["seconds"])
+        return result
+    monkeypatch.setattr(train, "train_step", timed)
+    train.main(cfg)
+
+    model, m, tokens = Transformer(cfg.model), cfg.model, cfg.global_batch_tokens
+    loader = data.PackedShardLoader(small_data_dir, "train", cfg.seq_len,
+                                    cfg.micro_batch_size, seed=cfg.seed)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        for _ in range(cfg.grad_accum_steps(1)):
+            model(**next(loader), reduction="sum").loss.backward()
+    palm = counter.get_total_flops() - 2 * m.vocab_size * m.d_model * tokens
+    gains = sum(p.numel() for p in model.parameters() if p.ndim == 1)
+    causal = palm - 6 * m.n_layers * cfg.seq_len * m.n_heads * m.head_dim * tokens \
+        + 6 * gains * tokens
+    records = train_records(cfg)
+    assert [r["step"] for r in records] == [1, 2, 3]  # log_every=1: one step per row
+    for r, s in zip(records, seconds, strict=True):
+        assert r["tokens_per_s"] == pytest.approx(tokens / s, rel=1e-9)
+        assert r["tflops_palm"] == pytest.approx(palm / s / 1e12, rel=1e-9)
+        assert r["tflops"] == pytest.approx(causal / s / 1e12, rel=1e-9)
+        assert r["mfu"] == pytest.approx(causal / s / 2e12, rel=1e-9)
+        assert r["mfu_palm"] == pytest.approx(palm / s / 2e12, rel=1e-9)
+
+
+# --- evaluation ---------------------------------------------------------------------------
+
+def independent_val_sums(cfg, model) -> dict:
+    """Over every window of the val split in stream order (what train.evaluate reads when
+    eval_tokens covers the split): Σ CE from F.cross_entropy on the full logits (float64),
+    Σ logsumexp², the number of targets, and their UTF-8 bytes, each target decoded on its
+    own by the tokenizer (special tokens decode to nothing) and its bytes counted here."""
+    tokenizer = Tokenizer.from_file(data.tokenizer_path(cfg.data_dir))
+    loader = data.PackedShardLoader(cfg.data_dir, "val", cfg.seq_len, cfg.micro_batch_size,
+                                    seed=cfg.seed)
+    assert loader.windows_per_epoch % cfg.micro_batch_size == 0  # whole batches, no remainder
+    sums, targets = {"ce": 0.0, "lse2": 0.0}, []
+    with torch.no_grad():
+        for _ in range(loader.windows_per_epoch // cfg.micro_batch_size):
+            batch = next(loader)
+            logits = model.logits(batch["input_ids"], batch["position_ids"], batch["seq_ids"])
+            logits = logits.flatten(0, 1).double()  # (N, V)
+            sums["ce"] += float(F.cross_entropy(logits, batch["targets"].flatten(),
+                                                reduction="sum"))
+            sums["lse2"] += float(logits.logsumexp(-1).square().sum())
+            targets += batch["targets"].flatten().tolist()
+    pieces = tokenizer.decode_batch([[t] for t in targets])
+    assert not any("\ufffd" in piece for piece in pieces)  # no target splits a character
+    assert sum(piece == "" for piece in pieces) >= 1  # an EOS is among the targets
+    return {**sums, "targets": len(targets),
+            "bytes": sum(len(piece.encode("utf-8")) for piece in pieces)}
+
+
+def test_bits_per_byte_counts_the_decoded_bytes_of_the_targets(small_data_dir, tmp_path):
+    """val_bpb = Σ CE / (ln 2 · Σ bytes), bytes counted by decoding each target.
+
+    evaluate sums the CE in float32 over 118 batches (real diff 3e-7 relative, tolerance
+    1e-5), but val_bpb / val_loss = Σ targets / (ln 2 · Σ bytes) has the CE cancel and
+    integer counts left, exact in float32: the byte count is pinned there to 1e-9 (real
+    diff < 1e-15). Counting EOS as its 13 characters moves that ratio by 2e-4 (the val
+    split holds one EOS target among 68,145 bytes), the input tokens' bytes by 1.4e-5."""
+    cfg = micro_config(small_data_dir, str(tmp_path), eval_tokens=10**9)
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    got = train.evaluate(cfg, Accelerator(cpu=True), model, data.token_bytes(cfg.data_dir))
+    ref = independent_val_sums(cfg, model)
+    assert got["val_bpb"] / got["val_loss"] == \
+        pytest.approx(ref["targets"] / (math.log(2) * ref["bytes"]), rel=1e-9)
+    assert got["val_bpb"] == pytest.approx(ref["ce"] / (math.log(2) * ref["bytes"]), rel=1e-5)
+
+
+def test_val_loss_is_cross_entropy_without_the_z_loss(small_data_dir, tmp_path):
+    """val_loss = mean CE over the val targets, from F.cross_entropy on the full logits. The
+    model's z_loss weight is 0.1, so a val loss that included z·lse² would be 3.9 nats
+    (63%) higher; real diff 3e-7 relative (float32 sums), tolerance 1e-5."""
+    cfg = micro_config(small_data_dir, str(tmp_path), eval_tokens=10**9,
+                       **{"model.z_loss": 0.1})
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    got = train.evaluate(cfg, Accelerator(cpu=True), model, data.token_bytes(cfg.data_dir))
+    ref = independent_val_sums(cfg, model)
+    assert cfg.model.z_loss * ref["lse2"] / ref["targets"] > 1.0  # z would show by > 1 nat
+    assert got["val_loss"] == pytest.approx(ref["ce"] / ref["targets"], rel=1e-5)
 
 
 # --- config and data mistakes fail before compute ----------------------------------------

@@ -1,0 +1,73 @@
+"""The GPU benchmarks' code paths, run where CI can run them: bench/gpu_sweep.py at tiny
+shapes on the CPU, and bench/gpu_check.sh's command lines against the current CLI."""
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import config
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+import gpu_sweep  # noqa: E402
+
+
+def test_gpu_sweep_dry_run_reports_every_variant():
+    """`--dry-run` runs every variant through the same code as on the GPU and ends with one
+    JSON line: each variant has finite, positive figures, or says why it has none."""
+    result = subprocess.run([sys.executable, "bench/gpu_sweep.py", "--dry-run"], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    rows = {row["name"]: row for row in report["variants"]}
+    assert list(rows) == [v.name for v in gpu_sweep.VARIANTS]
+    assert {"default", "head_bf16", "micro16", "causal_only", "ns_fp32",
+            "whole_compile"} <= set(rows)
+    for name, row in rows.items():
+        if row["error"] is not None:
+            assert isinstance(row["error"], str) and row["error"], name
+            continue
+        for key in ("tokens_per_s", "peak_gib", "loss"):
+            assert math.isfinite(row[key]) and row[key] > 0, (name, key, row[key])
+        for key in ("mfu", "mfu_palm"):  # no known peak FLOP/s for a CPU: null, not made up
+            assert row[key] is None if report["device"] == "cpu" else math.isfinite(row[key])
+    assert rows["micro16"]["micro_batch_size"] * 2 == rows["default"]["micro_batch_size"]
+
+
+def test_a_failing_variant_becomes_a_row_with_its_error(monkeypatch):
+    """An out-of-memory (or compile) error in one variant is its row's error; the sweep
+    goes on to the next variant instead of losing them all."""
+    def out_of_memory(*args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB\n…")
+
+    monkeypatch.setattr(gpu_sweep, "measure", out_of_memory)
+    args = gpu_sweep.parse_args(["--dry-run"])
+    base, steps, warmup = gpu_sweep.base_config(args)
+    row = gpu_sweep.run_variant(gpu_sweep.VARIANTS[0], base, steps, warmup, args, left=60.0)
+    assert row["error"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB"
+    assert row["tokens_per_s"] is None and row["loss"] is None
+
+
+def test_gpu_check_uses_existing_knobs_and_scripts():
+    """Every `--key=value` that gpu_check.sh gives train.py is a knob of today's CLI, and
+    every `python X.py` it runs exists: a renamed flag or script fails here, not on a GPU."""
+    path = REPO / "bench" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0  # syntax
+    script = "\n".join(line for line in path.read_text().splitlines()
+                       if not line.lstrip().startswith("#"))  # commands, not comments
+    keys = set(re.findall(r"--([a-z_.]+)=", script)) - {"preset"}
+    assert {"out_dir", "stop_at_step", "compile_model"} <= keys
+    overrides = {key: "1" for key in keys if key not in ("out_dir", "resume", "compile_model")}
+    config.apply_overrides(config.stack100m(), {**overrides, "out_dir": "x", "resume": "none",
+                                                "compile_model": "false"})
+    for path in re.findall(r"python ([\w/]+\.py)", script):
+        assert (REPO / path).exists(), path
+    # gpu_sweep.py's one-call recipe: gpu_check.sh takes --quick, gpu_sweep.py its flags.
+    recipe = next(line for line in gpu_sweep.__doc__.splitlines() if "--quick" in line)
+    assert '"--quick"' in script and "bench/gpu_check.sh --quick;" in recipe
+    gpu_sweep.parse_args(recipe.split("gpu_sweep.py")[1].split())

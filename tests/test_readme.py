@@ -1,0 +1,108 @@
+"""Every command README.md documents runs as written (a few steps where it trains).
+
+The commands are read out of README.md itself: its ```bash blocks and the backticked
+commands of its tables. Each must have an entry in HOW, so a new command in README fails
+this test until it is run here too (or its skip is explained)."""
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Appended to every command that trains: stop early, evaluate and sample little.
+FEW_STEPS = ["--stop_at_step=2", "--eval_tokens=4096", "--sample_tokens=4"]
+# Stack-100M itself does not fit a CPU test: the same command with a 1-layer stand-in.
+CPU_STAND_IN = ["--model.n_layers=1", "--model.d_model=64", "--model.n_heads=2",
+                "--model.n_kv_heads=1", "--model.intermediate=128", "--model.max_seq_len=64",
+                "--seq_len=64", "--micro_batch_size=2", "--global_batch_tokens=128",
+                "--total_steps=4", "--warmup_steps=1", "--decay_fraction=0.25",
+                "--stop_at_step=2", "--eval_tokens=128", "--sample_tokens=4"]
+GPU = "needs CUDA GPUs"
+
+# README command -> ("run", extra flags) or ("skip", why). Order matters: later commands
+# use what earlier ones made (the tiny run's checkpoint, the prepared corpus).
+HOW = {
+    "pip install -r requirements.txt": ("skip", "CI installs requirements-dev.txt, which "
+                                                "includes it, before running the tests"),
+    "python train.py --preset tiny": ("run", FEW_STEPS),
+    "pip install -r requirements-dev.txt": ("skip", "CI runs exactly this before the tests"),
+    "python -m pytest -q": ("skip", "this is the test command itself"),
+    "python train.py --preset tiny --muon_peak_lr=0.01 --model.n_layers=6 "
+    "--out_dir=out/tiny6": ("run", FEW_STEPS),
+    "python train.py --config run.toml": ("run", FEW_STEPS),
+    "accelerate launch --config_file accelerate_configs/single_gpu.yaml train.py": ("skip", GPU),
+    "accelerate launch --config_file accelerate_configs/ddp.yaml train.py": ("skip", GPU),
+    "accelerate launch --config_file accelerate_configs/fsdp2.yaml train.py": ("skip", GPU),
+    "sbatch --nodes=N accelerate_configs/slurm_fsdp2.sh": ("skip", "needs SLURM and GPUs"),
+    "accelerate launch --config_file accelerate_configs/cpu_ddp.yaml train.py --preset tiny "
+    "--micro_batch_size=8": ("run", FEW_STEPS),
+    'python prepare.py --source "corpus/*.txt" --out data/mycorpus': ("run", []),
+    "python prepare.py --source docs.jsonl --text_field body --out data/docs": ("run", []),
+    "python prepare.py --source HuggingFaceFW/fineweb-edu --out data/fwe": (
+        "skip", "downloads a Hugging Face dataset; the datasets path is tested with a stand-in "
+                "module in tests/test_prepare.py"),
+    "python prepare.py --source more.txt --tokenizer data/mycorpus/tokenizer.json "
+    "--out data/more": ("run", []),
+    "python prepare.py --verify data/mycorpus": ("run", []),
+    "python train.py --preset stack100m --data_dir=data/mycorpus": ("run", CPU_STAND_IN),
+    "python train.py --preset tiny --export": ("run", []),
+    'python sample.py --export out/tiny/export --prompt "def " --num_samples 2': (
+        "run", ["--max_new_tokens=8"]),
+}
+
+
+def readme_commands() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.splitlines():
+            line = line.split("  #")[0].strip()
+            commands += [part.strip() for part in line.split("&&") if part.strip()]
+    commands += re.findall(r"\| `((?:accelerate launch|sbatch) [^`]*)` \|", text)
+    return commands
+
+
+def make_corpus(cwd: Path):
+    """What the corpus commands read: standard-library text as .txt, .jsonl and one more file."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [p.read_text() for p in sorted(stdlib.glob("*.py"))[:100]]
+    # The val split takes the 1% of documents whose key hashes low: a.txt's document 226 is
+    # the first, so 300 documents (the texts, three times) give val a document.
+    texts = texts * 3
+    (cwd / "corpus").mkdir()
+    (cwd / "corpus" / "a.txt").write_text("<|endoftext|>".join(texts))
+    lines = [json.dumps({"body": t}) for t in texts]
+    (cwd / "docs.jsonl").write_text("\n".join(lines))
+    (cwd / "more.txt").write_text("<|endoftext|>".join(texts[:10]))
+    (cwd / "run.toml").write_text("warmup_steps = 1\nlog_every = 1\n")
+
+
+def test_every_readme_command_runs_as_written(tmp_path):
+    commands = readme_commands()
+    assert sorted(commands) == sorted(HOW), "README commands changed: update HOW"
+    cwd = tmp_path / "work"
+    shutil.copytree(REPO, cwd, ignore=shutil.ignore_patterns(".git", "out", "wandb", "data",
+                                                             "__pycache__", ".pytest_cache"))
+    if (REPO / "data" / "stdlib-4k" / "manifest.json").exists():  # prepared once already
+        shutil.copytree(REPO / "data" / "stdlib-4k", cwd / "data" / "stdlib-4k")
+    make_corpus(cwd)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for command, (action, extra) in HOW.items():
+        if action == "skip":
+            continue
+        argv = shlex.split(command) + extra
+        if argv[0] == "python":
+            argv[0] = sys.executable
+        elif argv[:2] == ["accelerate", "launch"]:
+            argv = [sys.executable, "-m", "accelerate.commands.launch"] + argv[2:]
+        done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+        assert "Traceback" not in done.stderr, command

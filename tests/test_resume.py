@@ -1,0 +1,145 @@
+"""Resuming off the golden path: the command line wins, fixed knobs are refused, damaged or
+hostile checkpoints never load, and nothing overwrites a previous run."""
+
+import dataclasses
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint
+import train
+from conftest import micro_config
+
+
+def records(cfg) -> list[dict]:
+    lines = (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def ckpt(cfg, step: int) -> Path:
+    return Path(cfg.out_dir) / "ckpt" / f"step_{step:07d}"
+
+
+class RunsCode:
+    """Unpickling this creates `marker`: what a hostile checkpoint file would do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_hostile_dcp_metadata_runs_no_code_on_resume_or_export(small_data_dir, tmp_path):
+    cfg = micro_config(small_data_dir, str(tmp_path), stop_at_step=4)
+    train.main(cfg)
+    marker = tmp_path / "pwned"
+    (ckpt(cfg, 4) / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    with pytest.raises(checkpoint.UnsafeCheckpointError, match=r"refers to pathlib.Path.touch|"
+                       r"refers to pathlib"):
+        train.export(cfg)
+    with pytest.raises(checkpoint.UnsafeCheckpointError, match="could run code"):
+        train.main(dataclasses.replace(cfg, stop_at_step=8))
+    assert not marker.exists()
+
+
+def test_resume_applies_the_new_learning_rates_and_says_so(small_data_dir, tmp_path, capsys):
+    """Loading optimizer state restores the checkpoint's param-group values; the run must
+    train at the rates of its own command line, and print what changed."""
+    first = micro_config(small_data_dir, str(tmp_path), stop_at_step=4)
+    train.main(first)
+    resumed = dataclasses.replace(first, stop_at_step=8, muon_peak_lr=2e-3, adamw_peak_lr=1e-3,
+                                  weight_decay=0.05, betas=(0.8, 0.9))
+    seen = {}
+    original = train.train_step
+
+    def spy(run, stop):
+        for name, opt in run.optimizers.named.items():
+            seen[name] = [(g["peak_lr"], g["weight_decay"], g.get("betas"))
+                          for g in opt.param_groups]
+        return original(run, stop)
+    train.train_step = spy
+    try:
+        train.main(resumed)
+    finally:
+        train.train_step = original
+    out = capsys.readouterr().out
+    assert "resume: muon_peak_lr 0.02 → 0.002" in out
+    assert "resume: adamw_peak_lr 0.01 → 0.001" in out
+    assert seen["muon"] == [(2e-3, 0.05, None)]
+    assert seen["adamw"] == [(1e-3, 0.05, (0.8, 0.9)), (1e-3, 0.0, (0.8, 0.9))]
+    step5 = next(r for r in records(resumed) if r.get("step") == 5 and "lr_muon" in r)
+    multiplier = step5["lr_adamw"] / 1e-3
+    assert step5["lr_muon"] == pytest.approx(2e-3 * multiplier)
+
+
+def test_resume_refuses_a_different_model_shape_naming_both_values(small_data_dir, tmp_path):
+    cfg = micro_config(small_data_dir, str(tmp_path), stop_at_step=4)
+    train.main(cfg)
+    wider = micro_config(small_data_dir, str(tmp_path), stop_at_step=8,
+                         **{"model.n_layers": 3, "seed": 7})
+    with pytest.raises(ValueError, match=r"model.n_layers 2 → 3.*seed 1337 → 7|"
+                                         r"seed 1337 → 7.*model.n_layers 2 → 3"):
+        train.main(wider)
+
+
+def test_resume_refuses_other_data(small_data_dir, tmp_path):
+    """A shard re-prepared between save and resume (manifest.json changes with it)."""
+    data_dir = tmp_path / "data"
+    shutil.copytree(small_data_dir, data_dir)
+    cfg = micro_config(str(data_dir), str(tmp_path / "out"), stop_at_step=4)
+    train.main(cfg)
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    manifest["splits"]["val"]["shards"][0]["sha256"] = "0" * 64
+    (data_dir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="other data"):
+        train.main(dataclasses.replace(cfg, stop_at_step=8))
+
+
+def test_resume_none_never_overwrites_checkpoints(small_data_dir, tmp_path):
+    cfg = micro_config(small_data_dir, str(tmp_path), stop_at_step=4)
+    train.main(cfg)
+    before = (ckpt(cfg, 4) / "train_state.json").read_text()
+    with pytest.raises(ValueError, match="already holds checkpoints.*new --out_dir"):
+        train.main(dataclasses.replace(cfg, resume="none"))
+    assert (ckpt(cfg, 4) / "train_state.json").read_text() == before
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(small_data_dir, tmp_path,
+                                                                    capsys):
+    """A truncated .distcp in the newest checkpoint: a warning names it and the run resumes
+    from the previous one, reaching the same weights as a run never interrupted."""
+    cfg = micro_config(small_data_dir, str(tmp_path / "run"), ckpt_every=2, stop_at_step=4)
+    train.main(cfg)
+    shard = next(ckpt(cfg, 4).glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    resumed = dataclasses.replace(cfg, stop_at_step=6)
+    train.main(resumed)
+    out = capsys.readouterr().out
+    assert f"skipping damaged checkpoint {ckpt(cfg, 4)}" in out
+    assert f"resumed from {ckpt(cfg, 2)} at step 2" in out
+    straight = micro_config(small_data_dir, str(tmp_path / "straight"), ckpt_every=2,
+                            stop_at_step=6)
+    train.main(straight)
+    a = torch.load(ckpt(cfg, 6) / "rng_rank0.pt", weights_only=True)
+    b = torch.load(ckpt(straight, 6) / "rng_rank0.pt", weights_only=True)
+    assert torch.equal(a["torch"], b["torch"])
+    losses = [r["loss"] for r in records(resumed) if "loss" in r and r["step"] > 4]
+    assert losses == [r["loss"] for r in records(straight) if "loss" in r and r["step"] > 4]
+    # An explicit --resume=PATH to a damaged checkpoint is one clear refusal.
+    shard = next(ckpt(cfg, 6).glob("*.distcp"))
+    shard.write_bytes(b"")
+    with pytest.raises(ValueError, match="cannot be read"):
+        train.main(dataclasses.replace(cfg, stop_at_step=8, resume=str(ckpt(cfg, 6))))
+
+
+def test_out_dir_that_is_a_file_is_refused(small_data_dir, tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is a file"):
+        train.main(micro_config(small_data_dir, str(tmp_path / "file")))
+    assert os.path.getsize(tmp_path / "file") == 0
