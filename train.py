@@ -299,8 +299,7 @@ def make_logger(run: Run) -> report.MetricsLogger:
 
 
 def save_checkpoint(run: Run):
-    """out_dir/ckpt/step_XXXXXXX: weights, both optimizers, RNGs, and the train state that
-    a resume needs to continue bitwise (step, tokens seen, the loader's cursor)."""
+    """out_dir/ckpt/step_XXXXXXX: weights, optimizers, RNGs, all a bitwise resume needs."""
     state = {"step": run.step, "tokens_seen": run.tokens_seen, "skipped_steps": run.skipped_steps,
              "loader": run.loader.state_dict(), "world_size": run.accelerator.num_processes,
              "data_sha256": data.fingerprint(run.manifest), "config": dataclasses.asdict(run.cfg)}
@@ -333,7 +332,8 @@ def load_checkpoint(run: Run, path: Path):
     saving run's: DCP reshards, and the loader's cursor counts global windows. The knobs
     this run was given win over the checkpoint's, except those that cannot change."""
     state = checkpoint.read_train_state(path)
-    if state["data_sha256"] != data.fingerprint(run.manifest):  # tokenizer and shards
+    fingerprint = data.fingerprint(run.manifest)  # the tokenizer and every shard
+    if state.get("data_sha256", fingerprint) != fingerprint:  # absent in older checkpoints
         raise ValueError(f"{path} was trained on other data than {run.cfg.data_dir} (its "
                          f"tokenizer or shards differ); resume with the original data, or "
                          f"start a fresh --out_dir")
