@@ -2,6 +2,7 @@
 steps, explicit schedule tables, and single-process Muon for the sharded (FSDP2, torchrun)
 path."""
 
+import functools
 import io
 import json
 import math
@@ -278,7 +279,7 @@ class StandInModel(torch.nn.Module):
 
     def __init__(self, vocab=64, d=16, kv=8, hidden=40, layers=2, head_dim=4):
         super().__init__()
-        linear = lambda i, o: torch.nn.Linear(i, o, bias=False)
+        linear = functools.partial(torch.nn.Linear, bias=False)
         self.embed = torch.nn.Embedding(vocab, d)
         self.blocks = torch.nn.ModuleList()
         for _ in range(layers):
