@@ -104,8 +104,7 @@ def complete_checkpoints(out_dir) -> list[Path]:
 
 def newest(out_dir) -> str:
     """The newest complete checkpoint's path, for messages, or "none"."""
-    done = complete_checkpoints(out_dir)
-    return str(done[-1]) if done else "none"
+    return str(find(out_dir, "auto") or "none")
 
 
 def resume_candidates(out_dir, resume: str) -> list[Path]:

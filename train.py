@@ -339,9 +339,9 @@ def load_checkpoint(run: Run, path: Path):
                          f"start a fresh --out_dir")
     for name, old, new in config.resume_changes(run.cfg, state["config"]):
         run.accelerator.print(f"resume: {name} {old} → {new}")
+    run.loader.load_state_dict(state["loader"])  # refuses another data stream: before I/O
     checkpoint.load(run.accelerator, run.accelerator.unwrap_model(run.model),
                     list(run.optimizers.named.values()), path)
-    run.loader.load_state_dict(state["loader"])
     run.step, run.tokens_seen = state["step"], state["tokens_seen"]
     run.skipped_steps = state.get("skipped_steps", 0)
 
