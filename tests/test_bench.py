@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import config
@@ -71,3 +72,62 @@ def test_gpu_check_uses_existing_knobs_and_scripts():
     recipe = next(line for line in gpu_sweep.__doc__.splitlines() if "--quick" in line)
     assert '"--quick"' in script and "bench/gpu_check.sh --quick;" in recipe
     gpu_sweep.parse_args(recipe.split("gpu_sweep.py")[1].split())
+
+
+# bench/recipe.py: the stages' logic with a stand-in for training, checked by plain math
+
+import recipe  # noqa: E402
+
+
+def fake_training(monkeypatch, final_loss):
+    """recipe.train_once replaced by `final_loss(cfg)`; returns the configs it was given."""
+    trained = []
+
+    def train_once(cfg):
+        trained.append(cfg)
+        return {"cfg": cfg, "final": final_loss(cfg),
+                "tokens": cfg.stop_at_step * cfg.global_batch_tokens}
+
+    monkeypatch.setattr(recipe, "train_once", train_once)
+    return trained
+
+
+def test_recipe_lr_sweep_grows_the_grid_until_the_best_lr_is_inside(monkeypatch):
+    """A loss whose minimum lies two factors of two above Muon's grid: the sweep adds 2.4e-2
+    (1.2e-2 won at the edge), then 4.8e-2 (2.4e-2 won at the edge), and stops there."""
+    fake_training(monkeypatch, lambda cfg: math.log2(cfg.muon_peak_lr / 2.4e-2) ** 2)
+    args = recipe.parse_args(["--runs_dir", "/nonexistent"])
+    runs = recipe.lr_sweep(args, "muon_wsd", adamw_lr=1.5e-3)
+    assert list(runs) == pytest.approx([3e-3, 6e-3, 1.2e-2, 2.4e-2, 4.8e-2])
+    assert recipe.best_lr(runs) == pytest.approx(2.4e-2)
+    assert {r["cfg"].adamw_peak_lr for r in runs.values()} == {1.5e-3}  # AdamW's winner
+
+
+def test_recipe_token_ratio_interpolates_separately_scheduled_muon_runs(monkeypatch):
+    """Muon's final loss falling linearly with its budget, 10 - tokens/250,000, at 4,096
+    tokens per step: AdamW's 8.0 at 300 steps is Muon's loss at 500,000 tokens, so the ratio
+    is 1,228,800 / 500,000. The ladder runs Muon at 0.75, 0.5 and 0.35 of the budget and stops
+    at the first run that ends above 8.0: 105 steps, 430,080 tokens, loss 8.28."""
+    trained = fake_training(monkeypatch, lambda cfg: 10 - cfg.stop_at_step * 4096 / 250_000)
+    args = recipe.parse_args(["--runs_dir", "/nonexistent"])
+    adamw = {"cfg": recipe.run_config(args, "adamw_wsd", 3e-3, None, 7, 300),
+             "final": 8.0, "tokens": 300 * 4096}
+    muon = recipe.train_once(recipe.run_config(args, "muon_wsd", 6e-3, 3e-3, 7, 300))
+    result = recipe.token_ratio(args, 6e-3, 3e-3, 7, muon, adamw)
+    assert [cfg.stop_at_step for cfg in trained] == [300, 225, 150, 105]
+    assert {(cfg.seed, cfg.muon_peak_lr) for cfg in trained} == {(7, 6e-3)}
+    assert result["muon_tokens_needed"] == pytest.approx(500_000)
+    assert result["ratio"] == pytest.approx(300 * 4096 / 500_000)
+
+
+@pytest.mark.parametrize("muon_loss, runs", [(9.0, 1), (7.0, 5)])
+def test_recipe_token_ratio_is_none_outside_the_ladder(monkeypatch, muon_loss, runs):
+    """Muon above AdamW's 8.0 at the same budget: nothing to interpolate, and no ladder.
+    Muon below it even at a quarter of the budget: the ratio is over 4, not measured."""
+    trained = fake_training(monkeypatch, lambda cfg: muon_loss)
+    args = recipe.parse_args(["--runs_dir", "/nonexistent"])
+    adamw = {"cfg": recipe.run_config(args, "adamw_wsd", 3e-3, None, 7, 300),
+             "final": 8.0, "tokens": 300 * 4096}
+    muon = recipe.train_once(recipe.run_config(args, "muon_wsd", 6e-3, 3e-3, 7, 300))
+    assert recipe.token_ratio(args, 6e-3, 3e-3, 7, muon, adamw)["ratio"] is None
+    assert len(trained) == runs
