@@ -120,9 +120,9 @@ class TrainConfig:
     # The unit of muon_peak_lr: with muon_adjust_lr=match_rms_adamw, Muon's step on an (A, B)
     # matrix is lr·0.2·√max(A, B)·O, and an orthogonal O has entry RMS 1/√max(A, B), so the
     # update's RMS is 0.2·lr, the scale of an AdamW update (Moonlight, arXiv 2502.16982):
-    # that is why muon_peak_lr is comparable to adamw_peak_lr. 6e-3 was not tuned by any run
-    # here; it is 2x adamw_peak_lr as a starting point, and bench/recipe.py's short sweep
-    # (tiny model, 80 steps) preferred 3e-3.
+    # that is why muon_peak_lr is comparable to adamw_peak_lr. 6e-3 was not tuned for
+    # Stack-100M; it is 2x adamw_peak_lr as a starting point. bench/recipe.py's sweep at the
+    # tiny preset's budget, with the embedding at the same LR, preferred 1.5e-3 for both.
     muon_peak_lr: float = knob(6e-3, "Muon's peak lr; on AdamW's scale with match_rms_adamw; "
                                      "not tuned")
     muon_momentum: float = knob(0.95, "Muon's momentum (Nesterov)")
