@@ -417,7 +417,8 @@ def plot_seed_band(ax, runs: list[dict], color: str, label: str):
     for r in runs:
         ax.plot(tokens, [p["val_loss"] for p in r["points"]], color=color, lw=0.5, alpha=0.4)
     ax.plot(tokens, mean, color=color, lw=2, marker="o", ms=3, label=label)
-    ax.fill_between(tokens, [m - s for m, s in zip(mean, sd)], [m + s for m, s in zip(mean, sd)],
+    ax.fill_between(tokens, [m - s for m, s in zip(mean, sd, strict=True)],
+                    [m + s for m, s in zip(mean, sd, strict=True)],
                     color=color, alpha=0.2)
 
 
