@@ -9,11 +9,14 @@ This file imports nothing else from stacklm.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import json
 import math
+import os
 import shlex
+import sys
 import tomllib
 import types
 import typing
@@ -422,3 +425,18 @@ def parse_args(argv: list[str] | None = None, default_preset: str = "stack100m")
             raise ValueError(f"cannot read {item!r}: write overrides as --key=value")
         overrides[key.replace("-", "_")] = value
     return apply_overrides(cfg, overrides), args
+
+
+@contextlib.contextmanager
+def user_errors(debug: bool, errors: tuple = (ValueError, OSError)):
+    """The commands' contract for what a user can fix (a bad value, a missing or unreadable
+    file): one line `error: …` on stderr and exit status 2; `debug` keeps the traceback.
+    Anything else is a bug and keeps its traceback. Under a launcher only rank 0 prints."""
+    try:
+        yield
+    except errors as e:
+        if debug:
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

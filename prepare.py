@@ -37,6 +37,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
+from config import user_errors
 from data import EOS_TOKEN, FORMAT_VERSION, MANIFEST, TOKENIZER_FILE, token_dtype, verify
 
 DEFAULT_SHARD_TOKENS = 2**26  # 128 MiB of uint16 per file
@@ -391,7 +392,7 @@ def main(argv=None):
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error, not just its message")
     args = parser.parse_args(argv)
-    try:
+    with user_errors(args.debug):  # a bad path or value: one line, no traceback
         if args.verify:
             verify(args.verify)
             print(f"data: {args.verify} verified: every shard and the tokenizer match "
@@ -399,11 +400,6 @@ def main(argv=None):
             return
         prepare(args.source, args.out, args.vocab_size, args.tokenizer, args.text_field,
                 args.shard_tokens, args.val_fraction)
-    except (ValueError, OSError) as e:  # user errors: one line, no traceback
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,13 @@ damaged export is one line on stderr and exit status 2; --debug shows the traceb
 import argparse
 import json
 import pickle
-import sys
 import warnings
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
-from config import StackConfig
+from config import StackConfig, user_errors
 from data import EOS_TOKEN
 from model import Transformer
 
@@ -107,18 +106,13 @@ def main(argv=None):
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error, not just its message")
     args = parser.parse_args(argv)
-    try:
+    with user_errors(args.debug):  # a bad export: one line, no traceback
         torch.manual_seed(args.seed)
         model, tokenizer = load_export(args.export, args.device)
         for _ in range(args.num_samples):
             print(complete(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
                            args.top_k or None))
             print("---------------")
-    except (ValueError, OSError) as e:  # user errors: one line, no traceback
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ and the target tokens of the whole global batch are counted before any backward 
 
 import dataclasses
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -399,7 +398,7 @@ def cli(argv=None):
     prints it."""
     argv = sys.argv[1:] if argv is None else argv
     default = "stack100m" if torch.cuda.is_available() else "tiny"
-    try:
+    with config.user_errors("--debug" in argv, USER_ERRORS):
         cfg, args = config.parse_args(argv, default_preset=default)
         if args.preset is None and default == "tiny":
             print("no CUDA GPU found: running the `tiny` preset on the CPU "
@@ -408,12 +407,6 @@ def cli(argv=None):
             export(cfg)
         else:
             main(cfg)
-    except USER_ERRORS as e:
-        if "--debug" in argv:
-            raise
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
-import optim  # noqa: E402
 import train  # noqa: E402
 from model import Transformer  # noqa: E402
 
@@ -139,7 +138,6 @@ def train_once(cfg: config.TrainConfig) -> dict:
     done = run_dir / "done.json"
     wanted = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
     if not (done.exists() and json.loads(done.read_text())["config"] == wanted):
-        optim.check_schedule(cfg)
         print(f"recipe: training {run_dir.name}", flush=True)
         shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl appends: start it empty
         load_before = os.getloadavg()[0]
