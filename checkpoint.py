@@ -18,6 +18,7 @@ torch.load(weights_only=True), and DCP's pickled `.metadata` through an allowlis
 This file imports nothing else from stacklm: it takes a model, optimizers and plain values.
 """
 
+import contextlib
 import json
 import pickle
 import random
@@ -42,7 +43,7 @@ class UnsafeCheckpointError(ValueError):
     """A checkpoint file refers to code that a checkpoint never holds."""
 
 
-class DamagedCheckpointError(Exception):
+class DamagedCheckpointError(ValueError):
     """A checkpoint's files cannot be read: truncated, corrupt or missing."""
 
 
@@ -195,11 +196,19 @@ def load(accelerator, model, optimizers: list, path: Path):
     may differ from the saving run's: DCP reshards the tensors. A folder whose files are
     truncated or corrupt raises DamagedCheckpointError (what was read in place is then
     partial: load another checkpoint over it, which rewrites every tensor)."""
-    try:
+    with reading(path):
         read_weights_and_optimizers(model, [unwrapped_optimizer(o) for o in optimizers], path)
         rng_file = Path(path) / f"rng_rank{accelerator.process_index}.pt"
         if rng_file.exists():  # absent when resuming on more ranks than saved
             set_rng_state(torch.load(rng_file, weights_only=True))
+
+
+@contextlib.contextmanager
+def reading(path: Path):
+    """Any failure to read checkpoint `path` becomes one DamagedCheckpointError naming it;
+    a file refused as unsafe stays an UnsafeCheckpointError."""
+    try:
+        yield
     except UnsafeCheckpointError:
         raise
     except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException
@@ -250,9 +259,12 @@ def set_rng_state(state: dict):
 def export(ckpt: Path, model, model_config: dict, tokenizer_file, out_dir) -> Path:
     """out_dir/export/{model.pt, config.json, tokenizer.json} from checkpoint `ckpt`: one
     consolidated file that sample.py loads, whatever the rank count that trained it.
-    `model` is a freshly built model of the checkpoint's shape, filled from the checkpoint."""
+    `model` is a freshly built model of the checkpoint's shape (`model_config`, read from
+    its train_state.json), filled from the checkpoint; `tokenizer_file` the tokenizer it
+    was trained with."""
     sd = {"model": model.state_dict()}
-    read_dcp(sd, ckpt)  # reads only the model part
+    with reading(ckpt):
+        read_dcp(sd, ckpt)  # reads only the model part
     out = Path(out_dir) / "export"
     tmp = out.with_name("export.tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -264,6 +264,25 @@ def resume_changes(cfg: TrainConfig, saved: dict) -> list[tuple[str, object, obj
     return changed
 
 
+def saved_model(saved: dict, cfg: TrainConfig, given) -> StackConfig:
+    """The model shape a checkpoint was trained with (`saved` is the config in its
+    train_state.json). A model knob this command line set (`given`) to another value is
+    refused: the checkpoint's weights have one shape, and a knob that changes no tensor
+    (rope_theta, nope_every) would otherwise describe them wrongly without a word."""
+    try:
+        model = StackConfig(**saved["model"])
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"the checkpoint's train_state.json holds no readable model config "
+                         f"({type(e).__name__}: {e})") from None
+    clashes = [f"model.{name}={getattr(cfg.model, name)!r} (the checkpoint's is "
+               f"{getattr(model, name)!r})" for name in (f.name for f in dataclasses.fields(model))
+               if f"model.{name}" in given and getattr(cfg.model, name) != getattr(model, name)]
+    if clashes:
+        raise ValueError(f"{', '.join(clashes)}: an export keeps the shape the checkpoint was "
+                         f"trained with; drop the flag, or train a model of that shape")
+    return model
+
+
 def stack100m() -> TrainConfig:
     """The reference run: 524,288 tokens/step, stopped at the end of the stable phase."""
     return TrainConfig()
@@ -403,7 +422,9 @@ def parse_args(argv: list[str] | None = None, default_preset: str = "stack100m")
                         help=f"starting point (default: {default_preset})")
     parser.add_argument("--config", metavar="RUN.TOML", help="TOML file of overrides")
     parser.add_argument("--export", action="store_true",
-                        help="write out_dir/export/ from the newest checkpoint and exit")
+                        help="write out_dir/export/ from the checkpoint --resume names (auto: "
+                             "the newest), with that checkpoint's own model shape and "
+                             "tokenizer, and exit")
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error, not just its message")
     args, rest = parser.parse_known_args(argv)
@@ -424,6 +445,7 @@ def parse_args(argv: list[str] | None = None, default_preset: str = "stack100m")
         if not item.startswith("--") or not eq:
             raise ValueError(f"cannot read {item!r}: write overrides as --key=value")
         overrides[key.replace("-", "_")] = value
+    args.given = frozenset(overrides)  # the knobs this command line (or TOML) set itself
     return apply_overrides(cfg, overrides), args
 
 

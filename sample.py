@@ -73,10 +73,11 @@ def first_line(error: Exception) -> str:
 
 
 def how_to_export(export: Path) -> str:
-    """The fix for any bad export: write it again from the run's newest checkpoint."""
+    """The fix for any bad export: write it again from the run's newest checkpoint (the
+    export takes the model's shape and tokenizer from the checkpoint itself)."""
     out_dir = export.parent if export.name == "export" else Path("OUT_DIR")
-    return (f"write one with: python train.py --out_dir={out_dir} --export (with the run's "
-            f"--preset/--config), which writes {out_dir / 'export'}")
+    return (f"write one with: python train.py --out_dir={out_dir} --export, which writes "
+            f"{out_dir / 'export'}")
 
 
 def complete(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float,

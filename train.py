@@ -301,7 +301,9 @@ def save_checkpoint(run: Run):
     """out_dir/ckpt/step_XXXXXXX: weights, optimizers, RNGs, all a bitwise resume needs."""
     state = {"step": run.step, "tokens_seen": run.tokens_seen, "skipped_steps": run.skipped_steps,
              "loader": run.loader.state_dict(), "world_size": run.accelerator.num_processes,
-             "data_sha256": data.fingerprint(run.manifest), "config": dataclasses.asdict(run.cfg)}
+             "data_sha256": data.fingerprint(run.manifest),
+             "tokenizer_sha256": run.manifest["tokenizer"]["sha256"],  # what export checks
+             "config": dataclasses.asdict(run.cfg)}
     checkpoint.save(run.accelerator, run.accelerator.unwrap_model(run.model),
                     list(run.optimizers.named.values()), state, run.cfg.out_dir,
                     run.cfg.keep_last_ckpts)
@@ -356,16 +358,41 @@ def sample_text(cfg: TrainConfig, accelerator, model) -> str:
                                cfg.sample_tokens, temperature=0.8, top_k=50)
 
 
-def export(cfg: TrainConfig) -> Path:
-    """out_dir/export/ from the newest checkpoint, for sample.py."""
-    ckpt = checkpoint.find(cfg.out_dir, "auto")
+def export(cfg: TrainConfig, given=frozenset()) -> Path:
+    """out_dir/export/ from the checkpoint cfg.resume names (auto: the newest), for
+    sample.py. The model's shape and the tokenizer are the checkpoint's own, never this
+    command line's: a model knob in `given` (the knobs the command line set) that differs
+    is refused, and the tokenizer must be the one the checkpoint recorded. It is read from
+    the checkpoint's data_dir, or from --data_dir if given (the data moved)."""
+    ckpt = checkpoint.find(cfg.out_dir, cfg.resume)
     if ckpt is None:
         raise FileNotFoundError(f"no checkpoint in {checkpoint.ckpt_root(cfg.out_dir)} to "
-                                f"export; train first")
-    out = checkpoint.export(ckpt, Transformer(cfg.model), dataclasses.asdict(cfg.model),
-                            data.tokenizer_path(cfg.data_dir), cfg.out_dir)
+                                f"export (resume={cfg.resume}); train first, or pass "
+                                f"--resume=PATH to a checkpoint folder")
+    state = checkpoint.read_train_state(ckpt)
+    model_cfg = config.saved_model(state["config"], cfg, given)
+    data_dir = cfg.data_dir if "data_dir" in given else state["config"]["data_dir"]
+    out = checkpoint.export(ckpt, Transformer(model_cfg), dataclasses.asdict(model_cfg),
+                            trained_tokenizer(ckpt, state, data_dir), cfg.out_dir)
     print(f"exported {ckpt} to {out}; try: python sample.py --export {out}")
     return out
+
+
+def trained_tokenizer(ckpt: Path, state: dict, data_dir: str) -> str:
+    """data_dir's tokenizer file, after checking it is the one checkpoint `ckpt` was
+    trained with: a directory re-prepared at the same path must not slip another in.
+    Checkpoints record its sha256; older ones only the data's whole fingerprint."""
+    path = data.tokenizer_path(data_dir)  # the file matches data_dir's own manifest
+    manifest = data.load_manifest(data_dir)
+    if "tokenizer_sha256" in state:
+        same = manifest["tokenizer"]["sha256"] == state["tokenizer_sha256"]
+    else:
+        same = data.fingerprint(manifest) == state.get("data_sha256")
+    if not same:
+        raise ValueError(f"{path} is not the tokenizer {ckpt} was trained with ({data_dir} "
+                         f"was prepared again since); restore that data directory, or pass "
+                         f"--data_dir= a copy that holds the original tokenizer")
+    return path
 
 
 class TrainingDiverged(RuntimeError):
@@ -404,7 +431,7 @@ def cli(argv=None):
             print("no CUDA GPU found: running the `tiny` preset on the CPU "
                   "(pass --preset stack100m to insist)")
         if args.export:
-            export(cfg)
+            export(cfg, args.given)
         else:
             main(cfg)
 

@@ -1,0 +1,141 @@
+"""`python train.py --export`: the export is the checkpoint's own model, whatever the
+command line says. Its shape and its tokenizer come from the checkpoint (train_state.json
+and the tokenizer it recorded), a model flag that disagrees is refused, and every error on
+this path is one line."""
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+import sample
+import train
+from conftest import copy_of, micro_config
+from model import KVCache, Transformer
+from test_errors import run_cli
+from test_train import REPO, checkpoint_weights
+
+# Shape knobs the `tiny` preset does not have: a rope_theta no default shares, and NoPE on
+# layer 2 of 2 (tiny's nope_every=4 leaves both layers with RoPE). Neither changes a tensor
+# shape, so weights load under the preset's config without a word: only the logits differ.
+SHAPE = {"model.rope_theta": 500_000.0, "model.nope_every": 2}
+PROMPT = "def "
+
+
+def logits(model, ids: list[int]) -> torch.Tensor:
+    """(1, T, V) next-token logits of one row, through the model's cached forward."""
+    with torch.no_grad():
+        return model.forward_cached(torch.tensor([ids]), 0, [KVCache() for _ in model.blocks])
+
+
+def trained_model(cfg, step: int) -> Transformer:
+    model = Transformer(cfg.model)
+    model.load_state_dict(checkpoint_weights(cfg, step))
+    return model.eval()
+
+
+@pytest.fixture
+def trained(small_data_dir, tmp_path):
+    """A micro run with non-default shape flags on a non-default data_dir (512-token
+    vocabulary, tiny's is 4,096), checkpointed at steps 4 and 8."""
+    data_dir = copy_of(small_data_dir, tmp_path)
+    cfg = micro_config(str(data_dir), str(tmp_path / "run"), **SHAPE)
+    train.main(cfg)
+    return cfg
+
+
+def test_export_with_the_bare_preset_is_the_trained_model(trained, capsys):
+    train.cli(["--preset", "tiny", f"--out_dir={trained.out_dir}", "--export"])
+    export = Path(trained.out_dir) / "export"
+    assert json.loads((export / "config.json").read_text()) == \
+        json.loads(json.dumps(dataclasses.asdict(trained.model)))
+    assert (export / "tokenizer.json").read_bytes() == \
+        (Path(trained.data_dir) / "tokenizer.json").read_bytes()
+
+    exported, tokenizer = sample.load_export(str(export))
+    reference = trained_model(trained, 8)
+    ids = [tokenizer.token_to_id("<|endoftext|>")] + tokenizer.encode("import json\n").ids * 4
+    torch.testing.assert_close(logits(exported, ids), logits(reference, ids), rtol=0, atol=0)
+    # The inputs make the bug visible: the same weights under the preset's rope_theta and
+    # nope_every (what the export wrote before) give other logits.
+    preset = Transformer(dataclasses.replace(trained.model, rope_theta=10_000.0, nope_every=4))
+    preset.load_state_dict(reference.state_dict())
+    assert (logits(preset.eval(), ids) - logits(reference, ids)).abs().max() > 1e-3
+
+    # sample.py's greedy completion, in a process of its own, is the trained model's
+    want = sample.complete(reference, Tokenizer.from_file(str(Path(trained.data_dir) /
+                           "tokenizer.json")), PROMPT, 16, temperature=0, top_k=None)
+    done = subprocess.run([sys.executable, "sample.py", "--export", str(export), "--prompt",
+                           PROMPT, "--max_new_tokens", "16", "--temperature", "0",
+                           "--num_samples", "1"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{want}\n---------------\n"
+
+
+def test_resume_path_exports_that_checkpoint(trained):
+    step4 = Path(trained.out_dir) / "ckpt" / "step_0000004"
+    train.cli(["--preset", "tiny", f"--out_dir={trained.out_dir}", "--export",
+               f"--resume={step4}"])
+    exported = torch.load(Path(trained.out_dir) / "export" / "model.pt", weights_only=True)
+    want = checkpoint_weights(trained, 4)
+    assert exported.keys() == want.keys()
+    assert all(torch.equal(exported[k], want[k]) for k in want)
+    assert not all(torch.equal(exported[k], v) for k, v in checkpoint_weights(trained, 8).items())
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--model.rope_theta=10000", "model.rope_theta=10000.0 (the checkpoint's is 500000.0)"),
+    ("--model.nope_every=4", "model.nope_every=4 (the checkpoint's is 2)"),
+    ("--model.vocab_size=4096", "model.vocab_size=4096 (the checkpoint's is 512)"),
+])
+def test_a_model_flag_that_disagrees_with_the_checkpoint_is_refused(trained, capsys, flag,
+                                                                      message):
+    err = run_cli(["--preset", "tiny", f"--out_dir={trained.out_dir}", "--export", flag],
+                  capsys)
+    assert message in err and "an export keeps the shape the checkpoint was trained with" in err
+    assert not (Path(trained.out_dir) / "export").exists()
+
+
+def test_a_model_flag_that_agrees_is_accepted(trained):
+    train.cli(["--preset", "tiny", f"--out_dir={trained.out_dir}", "--export",
+               "--model.rope_theta=500000"])
+    assert (Path(trained.out_dir) / "export" / "model.pt").is_file()
+
+
+def test_a_re_prepared_data_dir_cannot_slip_in_another_tokenizer(trained, prepared, capsys):
+    data_dir = Path(trained.data_dir)
+    original = data_dir.with_name("original")
+    shutil.move(data_dir, original)
+    shutil.copytree(prepared, data_dir)  # another corpus, prepared at the same path
+    err = run_cli(["--preset", "tiny", f"--out_dir={trained.out_dir}", "--export"], capsys)
+    assert f"{data_dir / 'tokenizer.json'} is not the tokenizer" in err
+    assert "--data_dir=" in err
+    # the fix the message names: point --data_dir at the original data
+    train.cli(["--preset", "tiny", f"--out_dir={trained.out_dir}", "--export",
+               f"--data_dir={original}"])
+    assert (Path(trained.out_dir) / "export" / "tokenizer.json").read_bytes() == \
+        (original / "tokenizer.json").read_bytes()
+
+
+def test_missing_data_is_one_line(trained, capsys):
+    shutil.rmtree(trained.data_dir)
+    err = run_cli(["--preset", "tiny", f"--out_dir={trained.out_dir}", "--export"], capsys)
+    assert f"data directory {trained.data_dir} does not exist" in err
+
+
+@pytest.mark.parametrize("damage", ["weights", "train_state"])
+def test_a_damaged_checkpoint_is_one_line(trained, capsys, damage):
+    """DCP's CheckpointException is a BaseException: it must not escape as a traceback."""
+    step8 = Path(trained.out_dir) / "ckpt" / "step_0000008"
+    files = step8.glob("*.distcp") if damage == "weights" else [step8 / "train_state.json"]
+    for path in files:
+        path.write_bytes(path.read_bytes()[:100])  # truncated
+    err = run_cli(["--preset", "tiny", f"--out_dir={trained.out_dir}", "--export"], capsys)
+    assert err.startswith(f"error: {step8}")
