@@ -153,6 +153,8 @@ class TrainConfig:
     ckpt_every: int = knob(1_000, "optimizer steps between checkpoints")
     keep_last_ckpts: int = knob(5, "checkpoints kept in out_dir/ckpt; older ones are deleted")
     resume: str = knob("auto", "auto | none | PATH: auto is the newest checkpoint in out_dir")
+    max_epochs: float | None = knob(None, "refuse a run that would read the train split more "
+                                           "than this many times; none: warn above 4")
     sample_prompt: str = knob("def ", "text the end-of-run sample continues")
     sample_tokens: int = knob(64, "tokens generated for that sample")
     wandb_mode: str = knob("disabled", "Weights & Biases logging")
@@ -189,6 +191,10 @@ class TrainConfig:
             raise ValueError(f"decay_fraction={self.decay_fraction} must be within [0, 1]")
         if not 0.0 <= self.final_frac <= 1.0:
             raise ValueError(f"final_frac={self.final_frac} must be within [0, 1]")
+        if self.max_epochs is not None and not (self.max_epochs > 0
+                                                and math.isfinite(self.max_epochs)):
+            raise ValueError(f"max_epochs={self.max_epochs} must be a positive, finite number "
+                             f"(or none)")
         for name in ("weight_decay", "grad_clip", "warmup_steps"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
@@ -237,6 +243,30 @@ class TrainConfig:
         ranks = "rank" if world_size == 1 else "ranks"
         return (f"{self.global_batch_tokens:,} tokens/step = {seqs:,} seqs × {self.seq_len:,} = "
                 f"{self.micro_batch_size} micro × {accum} accum × {world_size} {ranks}")
+
+
+# Repeating data up to about 4 epochs trains almost as well as fresh data; beyond that the
+# returns fall off fast (Muennighoff et al., "Scaling Data-Constrained Language Models",
+# arXiv 2305.16264). A plan past it is warned about, and refused under --max_epochs.
+EPOCHS_WARNED = 4
+
+
+def check_epochs(cfg: TrainConfig, tokens_per_epoch: int) -> str | None:
+    """The warning line for a plan that reads the train split more than EPOCHS_WARNED
+    times (None if it does not); a ValueError if it exceeds an explicit max_epochs."""
+    epochs = cfg.stop_at_step * cfg.global_batch_tokens / tokens_per_epoch
+    if cfg.max_epochs is not None and epochs > cfg.max_epochs:
+        raise ValueError(f"this run would read {cfg.data_dir} {epochs:,.1f} times "
+                         f"({cfg.stop_at_step:,} steps × {cfg.global_batch_tokens:,} tokens over "
+                         f"{tokens_per_epoch:,} tokens/epoch), more than max_epochs="
+                         f"{cfg.max_epochs:g}; prepare a larger corpus or a mixture of corpora "
+                         f"(README: Preparing a real corpus), or lower --stop_at_step")
+    if epochs > EPOCHS_WARNED:
+        return (f"warning: this run reads {cfg.data_dir} {epochs:,.1f} times (more than "
+                f"{EPOCHS_WARNED} epochs, past which repeated data teaches little); prepare a "
+                f"real corpus or a mixture of corpora (README: Preparing a real corpus), or set "
+                f"--max_epochs to refuse such a plan")
+    return None
 
 
 # What a resume may not change: the model's shape (the weights would not fit), the data and

@@ -38,10 +38,12 @@ silently reading other windows.
 
 On disk. `python prepare.py` writes a directory once, offline (its docstring lists the
 files): tokenizer.json, manifest.json and {train,val}_NNNNN.bin shards of raw token ids.
-This file only reads it, and checks it before training on it: the first time a process
-opens a split, each shard's size, sha256 and largest id are checked against the manifest
-(check_shards), so a flipped byte or a foreign shard fails at start-up, not as a quietly
-wrong run or an IndexError deep in the model. fingerprint() names a prepared dataset.
+This file reads it, and checks it before training on it: the first time a shard is opened,
+its size, sha256 and largest id are checked against the manifest (check_shards), so a
+flipped byte or a foreign shard fails at start-up, not as a quietly wrong run or an
+IndexError deep in the model. The check is recorded in checked.json beside the manifest,
+so that other ranks and later restarts do not hash the corpus again; the only file this
+module writes. fingerprint() names a prepared dataset.
 
 This file imports nothing else from stacklm.
 """
@@ -63,6 +65,7 @@ EOS_TOKEN = "<|endoftext|>"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
+CHECKED = "checked.json"  # shards already hashed and found good (see check_shards)
 
 VERIFY_CHUNK_BYTES = 8 << 20  # read, hash and scan a shard this much at a time
 VERIFY_THREADS = 8  # shards hashed at once: hashlib and numpy release the GIL
@@ -97,15 +100,18 @@ class PackedShardLoader:
         # Identifies the data in state_dict: a cursor means nothing on other tokens.
         self.data_sha256 = hashlib.sha256("".join(e["sha256"] for _, e in shards).encode()) \
             .hexdigest()
-        # window i needs tokens up to i*T + T, the last of which is only ever a target
-        self.windows_per_epoch = (sum(sizes) - 1) // seq_len
+        self.windows_per_epoch = windows_per_epoch(self.manifest, split, seq_len)
         if self.windows_per_epoch < 1:
-            raise ValueError(f"seq_len={seq_len} is longer than split {split!r} of {data_dir}, "
-                             f"which has {sum(sizes):,} tokens (a window needs seq_len+1); "
-                             f"lower seq_len or prepare a larger corpus")
+            fix = ("prepare it again with a larger --val_fraction (e.g. `python prepare.py "
+                   "--source YOUR_CORPUS --val_fraction 0.05 --out NEW_DIR`)" if split == "val"
+                   else "prepare a larger corpus")
+            raise ValueError(f"split {split!r} of {data_dir} has {sum(sizes):,} tokens, too "
+                             f"few for one window of seq_len={seq_len} (it needs seq_len+1); "
+                             f"{fix}, or lower --seq_len")
         self.tokens_per_epoch = self.windows_per_epoch * seq_len
         self.shuffle = split != "val"  # evaluation must see the same tokens every time
         self.cursor = 0  # windows consumed by all ranks together
+        self.new_epochs = []  # epochs begun since the log last asked (take_new_epochs)
         self._permutation_epoch, self._permutation = None, None
         self._positions = np.arange(seq_len)  # (T,)
 
@@ -121,7 +127,7 @@ class PackedShardLoader:
         batch_windows = self.micro_batch_size * self.world_size
         mine = self.cursor + self.rank * self.micro_batch_size  # this rank's block
         windows = self.window_indices(np.arange(mine, mine + self.micro_batch_size))  # (B,)
-        self.report_new_epochs(self.cursor, self.cursor + batch_windows)
+        self.note_new_epochs(self.cursor, self.cursor + batch_windows)
         self.cursor += batch_windows
         return self.batch(windows)
 
@@ -144,14 +150,18 @@ class PackedShardLoader:
             self._permutation = rng.permutation(self.windows_per_epoch)
         return self._permutation
 
-    def report_new_epochs(self, begin: int, end: int):
-        """Announce each epoch whose first window lies in global positions [begin, end).
-        Rank 0 speaks for all; val is exempt, as evaluation rereads it by design."""
-        if self.rank != 0 or not self.shuffle:
-            return
-        n = self.windows_per_epoch
-        for epoch in range(max(1, -(-begin // n)), (end - 1) // n + 1):
-            print(f"data: {self.split} epoch {epoch} begins", flush=True)
+    def note_new_epochs(self, begin: int, end: int):
+        """Remember each epoch whose first window lies in global positions [begin, end), for
+        the log to print (take_new_epochs); val is exempt, as evaluation rereads it by design."""
+        if self.shuffle:
+            n = self.windows_per_epoch
+            self.new_epochs += range(max(1, -(-begin // n)), (end - 1) // n + 1)
+
+    def take_new_epochs(self) -> list[int]:
+        """The epochs begun since the last call: a small corpus can pass several between two
+        log lines, and the log prints them as one."""
+        epochs, self.new_epochs = self.new_epochs, []
+        return epochs
 
     def read(self, start: int, out: np.ndarray):
         """Copy stream tokens [start, start + len(out)) into out, across shard boundaries."""
@@ -233,6 +243,12 @@ def load_manifest(data_dir) -> dict:
     return manifest
 
 
+def windows_per_epoch(manifest: dict, split: str, seq_len: int) -> int:
+    """Windows of seq_len in a split: window i needs tokens up to i*T + T, the last of which
+    is only ever a target."""
+    return max(0, manifest["splits"][split]["tokens"] - 1) // seq_len
+
+
 def tokenizer_path(data_dir) -> str:
     """The tokenizer the shards were encoded with, after checking it is that one."""
     manifest = load_manifest(data_dir)
@@ -282,36 +298,68 @@ def shard_paths(data_dir, manifest: dict, split: str) -> list[tuple[Path, dict]]
     return shards
 
 
-# Shards checked in this process, keyed by what a change to the file would change and by
-# what it was checked against: the val loader, rebuilt at every evaluation, must not hash
-# again. (A same-size rewrite inside one filesystem timestamp tick keeps its key; this is a
-# guard against accidents, and `prepare.py --verify` always hashes.)
+# Shards checked in this process: the val loader, rebuilt at every evaluation, must not hash
+# again. Keyed like the on-disk record below.
 _verified_shards: set[tuple] = set()
 
 
 def check_shards(data_dir, manifest: dict, shards: list[tuple[Path, dict]], remember=True):
     """Refuse a shard whose sha256 differs from the manifest's or that holds an id >=
     vocab_size: the first is a changed file, the second an IndexError deep in the model.
-    One streaming pass per file, several files at once; with `remember`, files already
-    checked in this process and unchanged since are skipped."""
+    One streaming pass per file, several files at once.
+
+    With `remember`, a shard checked before and unchanged since (the same size and mtime,
+    against the same manifest entry) is trusted: within this process, and across processes
+    through data_dir/checked.json, which the first process to check a shard writes. So a
+    corpus is hashed once, not by every rank at every (re)start: train.py lets rank 0
+    check first, and the other ranks and later restarts read the record. (A same-size
+    rewrite that keeps the mtime would pass; `prepare.py --verify` always hashes.)"""
+    record = read_checked(data_dir) if remember else {}
     todo = []
     for path, entry in shards:
         stat = path.stat()
-        key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino,
-               entry["sha256"], manifest["vocab_size"], manifest["dtype"])
-        if not (remember and key in _verified_shards):
-            todo.append((path, entry, key))
+        key = [stat.st_size, stat.st_mtime_ns, entry["sha256"], manifest["vocab_size"],
+               manifest["dtype"]]
+        memory_key = (str(path.resolve()), *key)
+        if not (remember and (memory_key in _verified_shards or record.get(entry["file"]) == key)):
+            todo.append((path, entry, key, memory_key))
     if not todo:
         return
     dtype = np.dtype(manifest["dtype"])
     pool = ThreadPoolExecutor(min(len(todo), VERIFY_THREADS, os.cpu_count() or 1))
     try:
         scans = pool.map(lambda item: scan_shard(item[0], dtype), todo)
-        for (path, entry, key), (digest, largest) in zip(todo, scans, strict=True):
+        for (path, entry, key, memory_key), (digest, largest) in zip(todo, scans, strict=True):
             check_shard(data_dir, manifest, path, entry, digest, largest)
-            _verified_shards.add(key)
+            _verified_shards.add(memory_key)
+            record[entry["file"]] = key
     finally:
         pool.shutdown(cancel_futures=True)  # a bad shard need not wait for the rest
+    if remember:
+        write_checked(data_dir, record)
+
+
+def read_checked(data_dir) -> dict:
+    """data_dir/checked.json: {shard file: [size, mtime_ns, sha256, vocab_size, dtype]} of
+    shards hashed and found good; empty if absent or unreadable (then everything is hashed)."""
+    try:
+        record = json.loads((Path(data_dir) / CHECKED).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def write_checked(data_dir, record: dict):
+    """Write the record atomically (a name of this process's own, then a rename, so ranks
+    writing at once never interleave). A read-only data_dir keeps no record: every process
+    then hashes once, as before."""
+    path = Path(data_dir) / CHECKED
+    tmp = path.with_name(f"{CHECKED}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(record, indent=0))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def scan_shard(path: Path, dtype: np.dtype) -> tuple[str, int]:

@@ -2,6 +2,8 @@
 
     python prepare.py                                  # the built-in corpus -> data/stdlib-32k
     python prepare.py --source "corpus/*.txt" --out data/mycorpus
+    python prepare.py --source HuggingFaceFW/fineweb-edu --subset sample-10BT \
+        --max_tokens 2_000_000_000 --out data/fwe      # a bounded slice of a streamed dataset
     python prepare.py --verify data/mycorpus           # sha256 of every shard and the tokenizer
 
 A bad argument (a missing --source, an --out that is a file, a --verify directory that was
@@ -16,21 +18,37 @@ It writes the format data.py reads, into one directory per corpus:
 
 Each split is one stream of token ids with EOS written before every document; a hash of
 each document's name picks its split; the tokenizer is trained on the train split only.
-The manifest is written last, so an interrupted run leaves a directory that data.py refuses.
 
-This file imports only data.py, and only for the format it writes: the EOS token, the file
-names, the format version, the token dtype rule and the --verify check.
+Bounded. Memory does not grow with the corpus: sources are streamed (a .jsonl or .txt file
+line by line or in pieces, a Hugging Face dataset row by row), the tokenizer is trained on
+the first `tokenizer_chars` characters of the train split (nanochat's bounded sample), and
+`max_tokens` stops a source after that many training tokens. Encoding runs the library's
+parallel batch encoder on several chunks at once while this thread reads the next
+documents and writes shards, so no core waits for the others' tail.
+
+Safe. Everything is written into `<out>.tmp` and renamed to `<out>` when complete, so an
+interrupted run leaves no directory that data.py would read, and a prepared directory (or
+the source folder itself) is never written into: a rerun there is refused.
+
+Imports from stacklm: data.py for the format it writes (the EOS token, the file names, the
+format version, the token dtype rule) and the --verify check; config.py for the one-line
+error handler of the command line.
 """
 
 import argparse
+import collections
+import contextlib
 import glob
 import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import sysconfig
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +59,15 @@ from config import user_errors
 from data import EOS_TOKEN, FORMAT_VERSION, MANIFEST, TOKENIZER_FILE, token_dtype, verify
 
 DEFAULT_SHARD_TOKENS = 2**26  # 128 MiB of uint16 per file
+# The tokenizer's training sample, in characters. nanochat trains on 2B; 1B keeps the
+# trainer's word counts within a few GB. It exceeds the built-in corpus (~31.5M), so the
+# built-in data, and every figure measured on it, is trained on all of its train split.
+DEFAULT_TOKENIZER_CHARS = 1_000_000_000
 ENCODE_CHUNK_CHARS = 4 << 20  # text handed to the parallel encoder at once
+# Chunks being encoded at once: while one finishes its longest documents, the next keeps the
+# other cores busy. Each holds ~4M characters and their encodings: memory stays bounded.
+ENCODE_CHUNKS_IN_FLIGHT = 3
+READ_CHARS = 1 << 20  # a .txt file is read and split this much at a time
 TEXT_SUFFIXES = {".txt", ".jsonl", ".json", ".py", ".md"}  # a --source with one is a path
 
 
@@ -50,74 +76,145 @@ TEXT_SUFFIXES = {".txt", ".jsonl", ".json", ".py", ".md"}  # a --source with one
 # ---------------------------------------------------------------------------------------
 
 def prepare(source=None, out_dir=None, vocab_size=32768, tokenizer=None, text_field="text",
-            shard_tokens=DEFAULT_SHARD_TOKENS, val_fraction=0.01) -> dict:
+            shard_tokens=DEFAULT_SHARD_TOKENS, val_fraction=0.01, max_tokens=None,
+            tokenizer_chars=DEFAULT_TOKENIZER_CHARS, subset=None, split="train") -> dict:
     """Tokenize a corpus into out_dir and return its manifest. source None is the built-in
-    standard-library corpus; tokenizer is a tokenizer.json to reuse instead of training."""
+    standard-library corpus; tokenizer is a tokenizer.json to reuse instead of training;
+    subset and split name a Hugging Face dataset's configuration and split; max_tokens stops
+    after that many train tokens (whole documents); tokenizer_chars bounds the tokenizer's
+    training sample."""
     start = time.time()
     if source is not None and out_dir is None:
         raise ValueError("prepare: with a --source, also pass --out DIR (the default "
                          "directory names the built-in corpus)")
     out_dir = Path(out_dir or builtin_data_dir(vocab_size))
-    check_out_dir(out_dir)
-    if vocab_size < 257 or shard_tokens < 1 or not 0 <= val_fraction < 1:
-        raise ValueError(f"prepare: need vocab_size >= 257 (256 bytes + EOS), got {vocab_size}; "
-                         f"shard_tokens >= 1, got {shard_tokens}; 0 <= val_fraction < 1, got "
-                         f"{val_fraction}")
+    check_numbers(vocab_size, shard_tokens, val_fraction, max_tokens, tokenizer_chars)
     root, files = find_source(source)
+    check_out_dir(out_dir, Path(source) if source and Path(source).is_dir() else None)
     reused = check_reused_tokenizer(tokenizer) if tokenizer else None
     source_name = source or f"stdlib:{root}"
-    if next(documents(source, root, files, text_field, []), None) is None:
+    corpus = Corpus(source, root, files, text_field, subset, split)
+    if next(corpus.documents([]), None) is None:
         raise ValueError(f"empty corpus: {source_name} has no readable, non-blank document "
                          f"(files that are not UTF-8 are skipped); check --source and "
                          f"--text_field")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # The old manifest goes first: if this run dies, no manifest points at half-new shards.
-    (out_dir / MANIFEST).unlink(missing_ok=True)
+    with building(out_dir) as build:
+        manifest, tokenizer_s = write_dataset(build, corpus, source_name, vocab_size, reused,
+                                              tokenizer, shard_tokens, val_fraction, max_tokens,
+                                              tokenizer_chars)
+    print_summary(out_dir, manifest, tokenizer_s, time.time() - start)
+    return manifest
 
+
+@contextlib.contextmanager
+def building(out_dir: Path):
+    """A fresh `<out_dir>.tmp` to write into, renamed to out_dir when the block completes
+    and removed if it fails; what a killed run left there is cleared first."""
+    build = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(build, ignore_errors=True)
+    build.mkdir(parents=True)
+    try:
+        yield build
+    except BaseException:
+        shutil.rmtree(build, ignore_errors=True)
+        raise
+    if out_dir.is_dir():
+        out_dir.rmdir()  # check_out_dir let it through only empty
+    build.rename(out_dir)
+
+
+def write_dataset(build: Path, corpus, source_name, vocab_size, reused, tokenizer,
+                  shard_tokens, val_fraction, max_tokens, tokenizer_chars) -> tuple[dict, float]:
+    """Tokenizer, shards and, last, the manifest that vouches for them, into `build`;
+    returns the manifest and the seconds the tokenizer took."""
+    start = time.time()
     if reused is None:
         # trained on the train split only, so val stays unseen text in every sense
-        tok = train_tokenizer((text for key, text in documents(source, root, files, text_field, [])
-                               if not is_val(key, val_fraction)), vocab_size)
+        tok = train_tokenizer(sample(corpus, val_fraction, tokenizer_chars), vocab_size)
         tokenizer_json = tok.to_str().encode()
     else:
         tok, tokenizer_json = reused, Path(tokenizer).read_bytes()
-    write_atomic(out_dir / TOKENIZER_FILE, tokenizer_json)
+    write_atomic(build / TOKENIZER_FILE, tokenizer_json)
     tokenizer_s = time.time() - start
 
     # Document text that spells "<|endoftext|>" must stay text, not forge a boundary.
     tok.encode_special_tokens = True
     eos_id, vocab = tok.token_to_id(EOS_TOKEN), vocab_size_of(tok)
     dtype = token_dtype(vocab)
-    writers = {split: ShardWriter(out_dir, split, dtype, shard_tokens)
-               for split in ("train", "val")}
+    writers = {name: ShardWriter(build, name, dtype, shard_tokens) for name in ("train", "val")}
     skipped = []
-    total_bytes = sum(p.stat().st_size for p in files) if files else None
-    encode_into(tok, documents(source, root, files, text_field, skipped), writers,
-                val_fraction, eos_id, total_bytes)
-    splits = {split: writer.finish() for split, writer in writers.items()}
-    if splits["train"]["documents"] == 0:
-        raise ValueError(f"the train split of {source_name} is empty: every document went to "
-                         f"val; lower val_fraction={val_fraction} or add documents")
-
+    total_bytes = sum(p.stat().st_size for p in corpus.files) or None
+    first_train_key = encode_into(tok, corpus.documents(skipped), writers, val_fraction, eos_id,
+                                  total_bytes, max_tokens)
+    splits = {name: writer.finish() for name, writer in writers.items()}
+    check_splits(splits, source_name, val_fraction, first_train_key)
     manifest = {"format_version": FORMAT_VERSION, "source": source_name,
-                "text_field": text_field, "vocab_size": vocab, "eos_id": eos_id,
-                "dtype": dtype.name, "shard_tokens": shard_tokens, "val_fraction": val_fraction,
+                "text_field": corpus.text_field, "subset": corpus.subset, "split": corpus.split,
+                "vocab_size": vocab, "eos_id": eos_id, "dtype": dtype.name,
+                "shard_tokens": shard_tokens, "val_fraction": val_fraction,
+                "max_tokens": max_tokens, "tokenizer_chars": tokenizer_chars,
                 "tokenizer": {"file": TOKENIZER_FILE,
                               "sha256": hashlib.sha256(tokenizer_json).hexdigest()},
                 "splits": splits, "skipped_files": skipped}
-    write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
-    print_summary(out_dir, manifest, tokenizer_s, time.time() - start)
-    return manifest
+    write_atomic(build / MANIFEST, json.dumps(manifest, indent=1).encode())
+    return manifest, tokenizer_s
 
 
-def check_out_dir(out_dir: Path):
-    """Fail before any work when out_dir cannot be a directory: it, or a parent, is a file."""
+def check_numbers(vocab_size, shard_tokens, val_fraction, max_tokens, tokenizer_chars):
+    """Refuse impossible settings before any work, naming the flag."""
+    problems = [f"--vocab_size must be >= 257 (256 bytes + EOS), got {vocab_size}"
+                if vocab_size < 257 else None,
+                f"--shard_tokens must be >= 1, got {shard_tokens}" if shard_tokens < 1 else None,
+                f"--val_fraction must be in [0, 1), got {val_fraction}"
+                if not 0 <= val_fraction < 1 else None,
+                f"--max_tokens must be >= 1, got {max_tokens}"
+                if max_tokens is not None and max_tokens < 1 else None,
+                f"--tokenizer_chars must be >= 1, got {tokenizer_chars}"
+                if tokenizer_chars < 1 else None]
+    problems = [p for p in problems if p]
+    if problems:
+        raise ValueError(f"prepare: {'; '.join(problems)}")
+
+
+def check_splits(splits: dict, source_name: str, val_fraction: float, first_train_key):
+    """A split that came out empty is refused, naming the --val_fraction that fixes it
+    (val_fraction=0 asks for no val split: said, not refused)."""
+    if splits["train"]["documents"] == 0:
+        raise ValueError(f"the train split of {source_name} is empty: every document went to "
+                         f"val; lower --val_fraction={val_fraction} or add documents")
+    if splits["val"]["documents"] == 0 and val_fraction > 0:
+        # the train document whose hash is lowest is the first that a larger fraction moves
+        needed = val_point(first_train_key) * 1.01
+        raise ValueError(f"the val split of {source_name} is empty: none of its "
+                         f"{splits['train']['documents']:,} documents hashed into "
+                         f"--val_fraction={val_fraction}, and train.py evaluates on val; pass "
+                         f"--val_fraction={needed:.3g} or more (that moves at least one "
+                         f"document), or add documents")
+    if val_fraction == 0:
+        print("data: warning: --val_fraction=0 makes no val split; train.py evaluates on "
+              "val, so train on this directory only as a mixture's extra source")
+
+
+def check_out_dir(out_dir: Path, source_dir: Path | None):
+    """Fail before any work when out_dir cannot become a fresh prepared directory: it, or a
+    parent, is a file; it already holds files (a prepared dataset, or anything else); or it
+    lies inside `source_dir` (a folder --source), where a rerun would read its own shards as
+    text."""
     for path in (out_dir, *out_dir.parents):
         if path.exists():
             if not path.is_dir():
                 raise NotADirectoryError(f"--out {out_dir}: {path} is a file, not a directory; "
                                          f"pass a directory path (created if missing)")
-            return
+            break
+    if source_dir and out_dir.resolve().is_relative_to(source_dir.resolve()):
+        raise ValueError(f"--out {out_dir} is, or lies inside, the source folder {source_dir}: its "
+                         f"shards and tokenizer would become part of the corpus on a rerun; "
+                         f"pass an --out outside {source_dir}")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        what = ("a prepared dataset (manifest.json)" if (out_dir / MANIFEST).exists()
+                else "files")
+        raise ValueError(f"--out {out_dir} already holds {what}; nothing was changed. Pass a "
+                         f"new --out, or delete {out_dir} first to prepare it again")
 
 
 def print_summary(out_dir, manifest: dict, tokenizer_s: float, total_s: float):
@@ -186,45 +283,89 @@ def looks_local(source: str) -> bool:
             or source.count("/") > 1 or Path(source).suffix in TEXT_SUFFIXES)
 
 
+@dataclass(frozen=True)
+class Corpus:
+    """What --source names, resolved: local files under `root`, or (root None) a Hugging
+    Face dataset with its subset and split."""
+    source: str | None
+    root: Path | None
+    files: list[Path]
+    text_field: str
+    subset: str | None = None
+    split: str = "train"
+
+    def documents(self, skipped: list):
+        """Every non-blank document as (key, text), in a fixed order, streamed; what cannot
+        be read is recorded in `skipped`."""
+        if self.root is None:
+            stream = hf_documents(self.source, self.text_field, self.subset, self.split)
+        else:
+            stream = (doc for path in self.files
+                      for doc in file_documents(path, self.root, self.text_field, skipped))
+        for key, text in stream:
+            if text.strip():
+                yield key, text
+
+
 def file_documents(path: Path, root: Path, text_field: str, skipped: list):
     """Yield (key, text) for one file: a .jsonl holds one document per line (in text_field),
-    a .txt holds documents separated by EOS_TOKEN, any other file is one document.
-    Unreadable or non-UTF-8 input is recorded in `skipped`, not fatal."""
+    a .txt holds documents separated by EOS_TOKEN, any other file is one document. The
+    first two are streamed, so a file larger than memory is fine. Unreadable or non-UTF-8
+    input is recorded in `skipped`, not fatal (in a .txt, from the bad byte on)."""
     key = path.relative_to(root).as_posix()
     try:
-        text = path.read_bytes().decode("utf-8")
+        if path.suffix == ".jsonl":
+            yield from jsonl_documents(path, key, text_field, skipped)
+        elif path.suffix == ".txt":
+            yield from txt_documents(path, key)
+        else:
+            yield key, path.read_bytes().decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         skipped.append({"file": str(path), "reason": f"{type(e).__name__}: {e}"})
-        return
-    if path.suffix == ".jsonl":
-        for line_number, line in enumerate(text.splitlines(), 1):
+
+
+def jsonl_documents(path: Path, key: str, text_field: str, skipped: list):
+    with open(path, "rb") as f:
+        for line_number, line in enumerate(f, 1):
             try:
                 document = json.loads(line)[text_field] if line.strip() else ""
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError):  # bad JSON or UTF-8, no such field
                 document = None
             if not isinstance(document, str):
                 skipped.append({"file": f"{path}:{line_number}",
                                 "reason": f"not a JSON object with a string {text_field!r}"})
                 continue
             yield f"{key}:{line_number}", document
-    elif path.suffix == ".txt":
-        for i, document in enumerate(text.split(EOS_TOKEN)):
-            yield f"{key}:{i}", document
-    else:
-        yield key, text
 
 
-def hf_documents(source: str, text_field: str):
+def txt_documents(path: Path, key: str):
+    """Documents separated by EOS_TOKEN, read READ_CHARS at a time (newline="" keeps the
+    file's line endings as they are)."""
+    with open(path, encoding="utf-8", newline="") as f:
+        i, tail = 0, ""
+        while piece := f.read(READ_CHARS):
+            *documents, tail = (tail + piece).split(EOS_TOKEN)
+            for document in documents:
+                yield f"{key}:{i}", document
+                i += 1
+        yield f"{key}:{i}", tail
+
+
+def hf_documents(source: str, text_field: str, subset: str | None, split: str):
     """Yield (key, text) from a Hugging Face dataset: a directory written by `save_to_disk`,
-    or a hub name, streamed so a large corpus is never held in memory."""
+    or a hub name with its subset (`load_dataset`'s `name`) and split, streamed so a large
+    corpus is never held in memory."""
     import datasets  # optional: only this source kind needs it
 
     if Path(source).is_dir():
         dataset = datasets.load_from_disk(source)
+        if isinstance(dataset, dict):  # a DatasetDict: take the split asked for
+            if split not in dataset:
+                raise ValueError(f"dataset {source} has no split {split!r} (it has "
+                                 f"{sorted(dataset)}); pass --split")
+            dataset = dataset[split]
     else:
-        dataset = datasets.load_dataset(source, split="train", streaming=True)
-    if isinstance(dataset, dict):  # a DatasetDict: take its train split
-        dataset = dataset["train"]
+        dataset = datasets.load_dataset(source, name=subset, split=split, streaming=True)
     for i, row in enumerate(dataset):
         if text_field not in row:
             raise ValueError(f"dataset {source!r} has no field {text_field!r} (fields: "
@@ -232,22 +373,26 @@ def hf_documents(source: str, text_field: str):
         yield f"{source}:{i}", row[text_field]
 
 
-def documents(source, root, files, text_field, skipped):
-    """Every non-blank document of the corpus as (key, text), in a fixed order."""
-    if root is None:
-        stream = hf_documents(source, text_field)
-    else:
-        stream = (doc for path in files for doc in file_documents(path, root, text_field, skipped))
-    for key, text in stream:
-        if text.strip():
-            yield key, text
+def val_point(key: str) -> float:
+    """Where a document's key hashes to in [0, 1): below val_fraction, it is a val document.
+    A hash of the key, not the position, picks the split: adding files to a corpus never
+    moves an old document between train and val."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
 
 
 def is_val(key: str, val_fraction: float) -> bool:
-    """A hash of the document's key, not its position, picks the split: adding files to a
-    corpus never moves an old document between train and val."""
-    digest = hashlib.sha256(key.encode()).digest()
-    return int.from_bytes(digest[:8], "big") < val_fraction * 2**64
+    return val_point(key) < val_fraction
+
+
+def sample(corpus: Corpus, val_fraction: float, max_chars: int):
+    """The tokenizer's training text: train documents in corpus order until max_chars."""
+    chars = 0
+    for key, text in corpus.documents([]):
+        if chars >= max_chars:
+            return
+        if not is_val(key, val_fraction):
+            yield text
+            chars += len(text)
 
 
 # ---------------------------------------------------------------------------------------
@@ -311,7 +456,9 @@ class ShardWriter:
         self.shards = []
 
     def add(self, ids: list[int], eos_id: int, text_bytes: int):
-        self.pending.append(np.array([eos_id, *ids], dtype=self.dtype))  # EOS opens the document
+        tokens = np.empty(len(ids) + 1, dtype=self.dtype)
+        tokens[0], tokens[1:] = eos_id, ids  # EOS opens the document
+        self.pending.append(tokens)
         self.pending_tokens += len(ids) + 1
         self.documents += 1
         self.tokens += len(ids) + 1
@@ -349,19 +496,47 @@ def chunked(docs, max_chars: int):
         yield chunk
 
 
-def encode_into(tokenizer, docs, writers, val_fraction, eos_id, total_bytes):
-    """Encode documents with the library's parallel batch encoder, each to its split."""
+def encode_into(tokenizer, docs, writers, val_fraction, eos_id, total_bytes,
+                max_tokens=None) -> str | None:
+    """Encode documents with the library's parallel batch encoder, each to its split, until
+    the train split holds max_tokens (whole documents). Returns the key of the train
+    document that hashes lowest: the first a larger val_fraction would move to val.
+
+    Three jobs overlap: this thread reads documents and writes shards while the encoder
+    works on up to ENCODE_CHUNKS_IN_FLIGHT chunks (it releases the GIL and spreads each
+    chunk over every core). One chunk at a time would leave cores idle on each chunk's
+    longest documents, and again while its shards are written."""
+    lowest = (2.0, None)  # (val_point, key) of the train document that hashes lowest
     # The bar only on a terminal: redirected to a log, its carriage returns are noise.
     with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="encode",
-              disable=not sys.stderr.isatty()) as bar:
-        for chunk in chunked(docs, ENCODE_CHUNK_CHARS):
-            texts = [text for _, text in chunk]
-            encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-            for (key, text), encoding in zip(chunk, encodings, strict=True):
-                n_bytes = len(text.encode())
-                split = "val" if is_val(key, val_fraction) else "train"
+              disable=not sys.stderr.isatty()) as bar, \
+            ThreadPoolExecutor(ENCODE_CHUNKS_IN_FLIGHT) as pool:
+        in_flight = collections.deque()  # (chunk, future of its encodings), in corpus order
+        chunks = chunked(docs, ENCODE_CHUNK_CHARS)
+        while True:
+            while len(in_flight) < ENCODE_CHUNKS_IN_FLIGHT and (chunk := next(chunks, None)):
+                texts = [text for _, text in chunk]
+                in_flight.append((chunk, pool.submit(tokenizer.encode_batch_fast, texts,
+                                                     add_special_tokens=False)))
+            if not in_flight or done(writers, max_tokens):
+                break
+            chunk, encodings = in_flight.popleft()
+            for (key, text), encoding in zip(chunk, encodings.result(), strict=True):
+                if done(writers, max_tokens):
+                    break
+                n_bytes, point = len(text.encode()), val_point(key)
+                split = "val" if point < val_fraction else "train"
                 writers[split].add(encoding.ids, eos_id, n_bytes)
+                if split == "train":
+                    lowest = min(lowest, (point, key))
                 bar.update(n_bytes)
+        for _, future in in_flight:  # stopped at max_tokens: the rest is not needed
+            future.cancel()
+    return lowest[1]
+
+
+def done(writers: dict, max_tokens: int | None) -> bool:
+    return max_tokens is not None and writers["train"].tokens >= max_tokens
 
 
 # ---------------------------------------------------------------------------------------
@@ -386,7 +561,19 @@ def main(argv=None):
     parser.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS,
                         help=f"tokens per shard file (default {DEFAULT_SHARD_TOKENS:,})")
     parser.add_argument("--val_fraction", type=float, default=0.01,
-                        help="share of documents, picked by a hash of their name, for val")
+                        help="share of documents, picked by a hash of their name, for val "
+                             "(default 0.01)")
+    parser.add_argument("--max_tokens", type=int_with_underscores, default=None,
+                        help="stop after this many train tokens, whole documents (default: "
+                             "the whole source)")
+    parser.add_argument("--tokenizer_chars", type=int_with_underscores,
+                        default=DEFAULT_TOKENIZER_CHARS,
+                        help="train the tokenizer on the first this-many characters of the "
+                             f"train split (default {DEFAULT_TOKENIZER_CHARS:,})")
+    parser.add_argument("--subset", help="a Hugging Face dataset's configuration, the `name` "
+                        "of load_dataset (e.g. sample-10BT); default: none")
+    parser.add_argument("--split", default="train",
+                        help="the Hugging Face dataset split to read (default train)")
     parser.add_argument("--verify", metavar="DIR",
                         help="check the sha256 of DIR's shards and tokenizer, then exit")
     parser.add_argument("--debug", action="store_true",
@@ -399,7 +586,13 @@ def main(argv=None):
                   f"manifest.json")
             return
         prepare(args.source, args.out, args.vocab_size, args.tokenizer, args.text_field,
-                args.shard_tokens, args.val_fraction)
+                args.shard_tokens, args.val_fraction, args.max_tokens, args.tokenizer_chars,
+                args.subset, args.split)
+
+
+def int_with_underscores(text: str) -> int:
+    """argparse type: 2_000_000_000 and 2,000,000,000 read as they are meant."""
+    return int(text.replace("_", "").replace(",", ""))
 
 
 if __name__ == "__main__":

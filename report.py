@@ -196,6 +196,13 @@ class MetricsLogger:
         self.write({"step": step, "val_loss": metrics["val_loss"],
                     "val_bpb": metrics["val_bpb"]})
 
+    def log_epochs(self, epochs: list[int]):
+        """One line for every epoch of the train split begun since the last log line: a
+        small corpus can pass several in one interval (`data: train epochs 3–9 began`)."""
+        if epochs:
+            which = f"s {epochs[0]}–{epochs[-1]}" if len(epochs) > 1 else f" {epochs[0]}"
+            self.print(f"data: train epoch{which} began")
+
     def log_skipped(self, step: int, loss: float, grad_norm: float, skipped_steps: int):
         """A step whose update was skipped; `step` is numbered as the training rows are."""
         self.print(f"step {step:>6,} | non-finite loss {loss} or grad norm {grad_norm}: "

@@ -76,6 +76,7 @@ def main(cfg: TrainConfig) -> dict:
                 metrics.update(logger.log_train(run.step, result, run.optimizers.lrs(),
                                                 run.tokens_seen, run.skipped_steps,
                                                 train_seconds))
+                logger.log_epochs(run.loader.take_new_epochs())
             # Never during a non-finite streak: the weights may already be the damage.
             if (run.step % cfg.ckpt_every == 0 or result["stop"]) and bad_steps == 0:
                 save_checkpoint(run)
@@ -117,9 +118,10 @@ def setup(cfg: TrainConfig) -> Run:
     candidates = checkpoint.resume_candidates(cfg.out_dir, cfg.resume)  # refuses overwrites
     accelerator = make_accelerator(cfg)
     manifest = ensure_data(cfg, accelerator)
-    loader = data.PackedShardLoader(cfg.data_dir, "train", cfg.seq_len, cfg.micro_batch_size,
-                                    accelerator.process_index, accelerator.num_processes,
-                                    seed=cfg.seed)
+    with accelerator.main_process_first():  # rank 0 hashes the shards; the rest read its record
+        loader = data.PackedShardLoader(cfg.data_dir, "train", cfg.seq_len, cfg.micro_batch_size,
+                                        accelerator.process_index, accelerator.num_processes,
+                                        seed=cfg.seed)
     compiled = use_compile(cfg)
     model = build_model(cfg, compiled)
     if accelerator.distributed_type == DistributedType.FSDP:
@@ -182,16 +184,21 @@ def evaluate(cfg: TrainConfig, accelerator, model, token_bytes) -> dict:
 
     Bits per byte = total CE / ln 2 / total UTF-8 bytes of the target tokens: unlike the
     loss, it does not depend on the tokenizer, so runs with different vocabularies compare."""
-    world = accelerator.num_processes
-    loader = data.PackedShardLoader(cfg.data_dir, "val", cfg.seq_len, cfg.micro_batch_size,
-                                    accelerator.process_index, world, seed=cfg.seed)
-    # At most one pass over the split: a small val split is not re-read to fill eval_tokens.
-    tokens = min(cfg.eval_tokens, loader.tokens_per_epoch)
-    n_batches = max(1, tokens // (cfg.micro_batch_size * cfg.seq_len * world))
+    B, rank, world = cfg.micro_batch_size, accelerator.process_index, accelerator.num_processes
+    loader = data.PackedShardLoader(cfg.data_dir, "val", cfg.seq_len, B, rank, world,
+                                    seed=cfg.seed)
+    # At most one pass over the split, so no window counts twice: a small val split is not
+    # re-read to fill eval_tokens, nor to fill the last global micro-batch. Rows past the
+    # last window are padding without targets (-100); every rank still runs each forward,
+    # as FSDP2 needs all ranks in every one.
+    n_windows = max(1, min(cfg.eval_tokens // cfg.seq_len, loader.windows_per_epoch))
     totals = torch.zeros(3, device=accelerator.device)  # ce nats, tokens, bytes
     model.eval()
-    for _ in range(n_batches):
-        batch = {k: v.to(accelerator.device) for k, v in next(loader).items()}
+    for first in range(0, n_windows, B * world):  # global window index of the batch's row 0
+        batch = next(loader)
+        padding = first + rank * B + torch.arange(B) >= n_windows  # (B,)
+        batch["targets"][padding] = -100
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         ce = model(**batch, reduction="sum").ce
         targets = batch["targets"][batch["targets"] != -100]
         totals += torch.stack([ce.float(), torch.tensor(float(targets.numel()),
@@ -231,6 +238,10 @@ def ensure_data(cfg: TrainConfig, accelerator: Accelerator) -> dict:
         raise ValueError(f"{cfg.data_dir}: the tokenizer has {manifest['vocab_size']:,} ids "
                          f"but model.vocab_size={cfg.model.vocab_size:,}; set "
                          f"--model.vocab_size={manifest['vocab_size']} or re-prepare the data")
+    warning = config.check_epochs(cfg, data.windows_per_epoch(manifest, "train", cfg.seq_len)
+                                  * cfg.seq_len)
+    if warning:
+        accelerator.print(warning)
     return manifest
 
 

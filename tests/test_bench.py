@@ -131,3 +131,24 @@ def test_recipe_token_ratio_is_none_outside_the_ladder(monkeypatch, muon_loss, r
     muon = recipe.train_once(recipe.run_config(args, "muon_wsd", 6e-3, 3e-3, 7, 300))
     assert recipe.token_ratio(args, 6e-3, 3e-3, 7, muon, adamw)["ratio"] is None
     assert len(trained) == runs
+
+
+def test_prepare_estimate_scales_by_measured_efficiency_and_caps_at_the_serial_part():
+    """bench/prepare.py's 32-core estimate against plain arithmetic: 1-core rate × 31 cores
+    × the efficiency from 1 to 2 cores (at most 1), capped by the serial thread's rate."""
+    import importlib.util  # bench/prepare.py by path: `import prepare` is the repo's own
+
+    spec = importlib.util.spec_from_file_location("bench_prepare", REPO / "bench" / "prepare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    speeds = [{"cores": 1, "prepare_tokens_per_s": 1000, "serial_tokens_per_s": 10**9},
+              {"cores": 2, "prepare_tokens_per_s": 1800, "serial_tokens_per_s": 10**9}]
+    got = module.estimate(speeds)
+    assert got["scaling_efficiency"] == 0.9 and got["bound"] == "encoder"
+    assert got["encoder_tokens_per_s"] == 1000 * 31 * 0.9
+    assert got["hours_for_20B_tokens"] == round(20e9 / (1000 * 31 * 0.9) / 3600, 2)
+    speeds[1]["prepare_tokens_per_s"] = 2200  # faster than linear (noise): counted as 1.0
+    speeds[1]["serial_tokens_per_s"] = 20_000
+    got = module.estimate(speeds)
+    assert got["scaling_efficiency"] == 1.0 and got["bound"] == "serial"
+    assert got["hours_for_20B_tokens"] == round(20e9 / 20_000 / 3600, 2)

@@ -102,16 +102,20 @@ def test_order_is_seeded_and_changes_between_epochs(prepared):
     assert epoch_rows(1, 0) != epoch_rows(1, 1)
 
 
-def test_epoch_wraparound_is_reported_once_on_rank_zero(prepared, capsys):
+def test_each_epoch_begun_is_noted_once_for_the_log(prepared):
+    """Every rank notes the same epochs (the log prints rank 0's), each once, in order, also
+    when one micro-batch spans several epochs of a tiny split."""
     loaders = [PackedShardLoader(prepared, "train", T, 7, rank=r, world_size=2) for r in (0, 1)]
     n = loaders[0].windows_per_epoch
     for _ in range(2 * n // 14 + 2):
         for loader in loaders:
             next(loader)
-    out = capsys.readouterr().out
-    assert out.count("data: train epoch 1 begins") == 1
-    assert out.count("data: train epoch 2 begins") == 1
-    assert loaders[0].epoch == loaders[1].epoch == 2
+    assert [loader.take_new_epochs() for loader in loaders] == [[1, 2], [1, 2]]
+    assert loaders[0].take_new_epochs() == [] and loaders[0].epoch == 2
+    wide = PackedShardLoader(prepared, "train", T, 3 * n + 1)  # one batch, epochs 0 to 3
+    next(wide)
+    next(wide)
+    assert wide.take_new_epochs() == [1, 2, 3, 4, 5, 6] and wide.epoch == 6
 
 
 def global_stream(prepared, micro_batch_size, world_size, steps, state=None):
@@ -295,9 +299,12 @@ def test_scan_reads_in_chunks_and_matches_whole_file_oracles(tmp_path, monkeypat
         hashlib.sha256(b"").hexdigest(), -1)
 
 
-def test_each_shard_is_hashed_once_per_process_until_it_changes(prepared, tmp_path,
-                                                                monkeypatch):
+def test_each_shard_is_hashed_once_until_it_changes(prepared, tmp_path, monkeypatch):
+    """Once in this process (the val loader is rebuilt at every evaluation), and once across
+    processes through checked.json (other ranks, restarts); a changed shard is hashed again
+    and refused."""
     fresh = copy_of(prepared, tmp_path)
+    (fresh / data.CHECKED).unlink(missing_ok=True)
     real_scan, scanned = data.scan_shard, []
 
     def counting_scan(path, dtype):
@@ -305,11 +312,16 @@ def test_each_shard_is_hashed_once_per_process_until_it_changes(prepared, tmp_pa
         return real_scan(path, dtype)
 
     monkeypatch.setattr(data, "scan_shard", counting_scan)
-    n_val = len(data.load_manifest(fresh)["splits"]["val"]["shards"])
+    monkeypatch.setattr(data, "_verified_shards", set())
+    val_files = [s["file"] for s in data.load_manifest(fresh)["splits"]["val"]["shards"]]
     for _ in range(3):  # as train.py rebuilds the val loader at every evaluation
         PackedShardLoader(fresh, "val", T, 1)
-    assert len(scanned) == n_val
+    assert scanned == val_files
+    assert sorted(json.loads((fresh / data.CHECKED).read_text())) == sorted(val_files)
     scanned.clear()
+    monkeypatch.setattr(data, "_verified_shards", set())  # a new process: only the record
+    PackedShardLoader(fresh, "val", T, 1)
+    assert scanned == []
     flip_bytes(fresh / "val_00000.bin", 0, 64)
     stat = (fresh / "val_00000.bin").stat()  # a later mtime, as a real edit would leave
     os.utime(fresh / "val_00000.bin", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
@@ -320,6 +332,21 @@ def test_each_shard_is_hashed_once_per_process_until_it_changes(prepared, tmp_pa
     shutil.copy(prepared / "val_00000.bin", fresh / "val_00000.bin")
     data.verify(fresh)  # --verify hashes every shard, remembered or not
     assert len(scanned) == len(list(fresh.glob("*.bin")))
+
+
+def test_a_read_only_data_dir_is_checked_without_a_record(prepared, tmp_path, monkeypatch):
+    fresh = copy_of(prepared, tmp_path)
+    (fresh / data.CHECKED).unlink(missing_ok=True)
+    monkeypatch.setattr(data, "_verified_shards", set())
+    fresh.chmod(0o555)
+    try:
+        if os.access(fresh, os.W_OK):  # root ignores the mode bits: nothing to test there
+            monkeypatch.setattr(data.os, "replace", lambda *a: (_ for _ in ()).throw(
+                PermissionError(13, "Read-only file system")))
+        PackedShardLoader(fresh, "val", T, 1)
+    finally:
+        fresh.chmod(0o755)
+    assert not (fresh / data.CHECKED).exists() and not list(fresh.glob("*.tmp"))
 
 
 def test_fingerprint_names_the_prepared_data(prepared):
@@ -365,11 +392,18 @@ def test_tokenizer_whose_hash_differs_from_the_manifest(prepared, tmp_path):
         data.verify(bad)
 
 
-def test_seq_len_longer_than_the_split(prepared):
+def test_seq_len_longer_than_the_split_names_the_real_fix(prepared):
+    """A val split too small for one window is fixed by preparing a larger one
+    (--val_fraction); a train split by more data. Lowering seq_len is the other way."""
     val_tokens = data.load_manifest(prepared)["splits"]["val"]["tokens"]
-    with pytest.raises(ValueError, match=f"seq_len={val_tokens} is longer than split 'val'"):
+    with pytest.raises(ValueError, match=f"split 'val' of {prepared} has {val_tokens:,} tokens, "
+                                         f"too few for one window of seq_len={val_tokens}.*"
+                                         f"larger --val_fraction.*or lower --seq_len"):
         PackedShardLoader(prepared, "val", val_tokens, 1)
     PackedShardLoader(prepared, "val", val_tokens - 1, 1)  # exactly one window fits
+    train_tokens = data.load_manifest(prepared)["splits"]["train"]["tokens"]
+    with pytest.raises(ValueError, match="split 'train'.*prepare a larger corpus, or lower"):
+        PackedShardLoader(prepared, "train", train_tokens, 1)
 
 
 def test_vocab_too_large_for_the_dtype(prepared, tmp_path):

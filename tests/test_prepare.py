@@ -71,8 +71,9 @@ def test_reused_tokenizer_shares_the_vocabulary(prepared, tmp_path):
     assert [tokenizer.decode(d) for d in docs] == ["first note\n", "second note, longer\n"]
 
 
-def test_interrupted_prepare_leaves_no_manifest(prepared, corpus, tmp_path, monkeypatch):
-    out = copy_of(prepared, tmp_path)
+def test_interrupted_prepare_leaves_nothing_to_read_and_a_rerun_recovers(corpus, tmp_path,
+                                                                         monkeypatch):
+    out = tmp_path / "out"
     real_write, calls = prepare.write_atomic, []
 
     def dies_on_third_file(path, payload):
@@ -83,9 +84,33 @@ def test_interrupted_prepare_leaves_no_manifest(prepared, corpus, tmp_path, monk
 
     monkeypatch.setattr(prepare, "write_atomic", dies_on_third_file)
     with pytest.raises(KeyboardInterrupt):
-        prepare.prepare(str(corpus[0]), str(out), vocab_size=300, shard_tokens=700)
-    with pytest.raises(FileNotFoundError, match="interrupted.*python prepare.py"):
+        prepare.prepare(str(corpus[0]), str(out), vocab_size=300, shard_tokens=700,
+                        val_fraction=0.2)
+    assert calls[0].parent == tmp_path / "out.tmp"  # written aside, never into out
+    with pytest.raises(FileNotFoundError, match="does not exist.*python prepare.py"):
         data.load_manifest(out)
+    monkeypatch.setattr(prepare, "write_atomic", real_write)
+    prepare.prepare(str(corpus[0]), str(out), vocab_size=300, shard_tokens=700,
+                    val_fraction=0.2)  # the same command again: the leftover is replaced
+    assert data.load_manifest(out) and not (tmp_path / "out.tmp").exists()
+
+
+def test_a_rerun_never_touches_a_prepared_directory_or_the_source(prepared, corpus, tmp_path):
+    """A rerun into a prepared --out, a folder of other files, or the source folder itself
+    is refused before any work, and leaves every file as it was."""
+    out = copy_of(prepared, tmp_path)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(ValueError, match=f"--out {out} already holds a prepared dataset "
+                                         r"\(manifest.json\); nothing was changed"):
+        prepare.prepare(str(corpus[0]), str(out), vocab_size=300)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    with pytest.raises(ValueError, match="already holds files"):
+        prepare.prepare(str(corpus[0] / "mod_01.py"), str(corpus[0]), vocab_size=300)
+    with pytest.raises(ValueError, match="is, or lies inside, the source folder"):
+        prepare.prepare(str(corpus[0]), str(corpus[0]), vocab_size=300)
+    with pytest.raises(ValueError, match="is, or lies inside, the source folder"):
+        prepare.prepare(str(corpus[0]), str(corpus[0] / "prepared"), vocab_size=300)
+    assert not (corpus[0] / "prepared").exists() and not list(tmp_path.glob("*.tmp"))
 
 
 def test_write_atomic_keeps_the_old_file_when_the_rename_fails(tmp_path, monkeypatch):
@@ -117,7 +142,8 @@ def test_builtin_corpus_is_the_sorted_stdlib_without_site_packages():
 def test_default_source_is_the_builtin_corpus(corpus, tmp_path, monkeypatch):
     root, _ = corpus
     monkeypatch.setattr(prepare, "stdlib_files", lambda: (root, sorted(root.glob("mod_*.py"))))
-    manifest = prepare.prepare(out_dir=str(tmp_path / "builtin"), vocab_size=300)
+    manifest = prepare.prepare(out_dir=str(tmp_path / "builtin"), vocab_size=300,
+                               val_fraction=0.2)
     assert manifest["source"] == f"stdlib:{root}"
     docs = manifest["splits"]["train"]["documents"] + manifest["splits"]["val"]["documents"]
     assert docs == 40
@@ -146,8 +172,8 @@ def fake_datasets(rows):
     module.__spec__ = importlib.machinery.ModuleSpec("datasets", None)
     module.calls = []
 
-    def load_dataset(name, split, streaming):
-        module.calls.append(("load_dataset", name, split, streaming))
+    def load_dataset(path, name=None, split=None, streaming=False):  # datasets' signature
+        module.calls.append(("load_dataset", path, name, split, streaming))
         return iter(rows)
 
     def load_from_disk(path):
@@ -165,7 +191,7 @@ def test_hugging_face_sources_stream_through_the_lazy_import(tmp_path, monkeypat
     manifest = prepare.prepare("someone/tiny-corpus", str(tmp_path / "hub"), vocab_size=300,
                             val_fraction=0.0)
     assert manifest["splits"]["train"]["documents"] == 6
-    assert ("load_dataset", "someone/tiny-corpus", "train", True) in fake.calls
+    assert ("load_dataset", "someone/tiny-corpus", None, "train", True) in fake.calls
     saved = tmp_path / "saved"
     saved.mkdir()
     (saved / "dataset_dict.json").write_text("{}")
@@ -210,7 +236,8 @@ def test_unreadable_files_are_skipped_and_counted(corpus, tmp_path, monkeypatch)
         return real_read(path)
 
     monkeypatch.setattr(Path, "read_bytes", read_bytes)
-    manifest = prepare.prepare(str(root), str(tmp_path / "out"), vocab_size=300)
+    manifest = prepare.prepare(str(root), str(tmp_path / "out"), vocab_size=300,
+                               val_fraction=0.2)
     reasons = {Path(s["file"]).name: s["reason"] for s in manifest["skipped_files"]}
     assert reasons.keys() == {"latin1.py", "mod_03.py"}
     assert "PermissionError" in reasons["mod_03.py"]
@@ -296,3 +323,89 @@ def test_cli_debug_shows_the_traceback(tmp_path):
     result = run_prepare("--verify", str(tmp_path / "absent"), "--debug", cwd=tmp_path)
     assert result.returncode != 0
     assert "Traceback" in result.stderr and "FileNotFoundError" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# Bounds: the tokenizer's sample, max_tokens, streamed files, the pipelined encoder
+# ---------------------------------------------------------------------------------------
+
+def source_documents(root: Path) -> list[tuple[str, str]]:
+    """(key, text) of every document of a folder source, in corpus order."""
+    return list(prepare.Corpus(str(root), *prepare.find_source(str(root)), "text").documents([]))
+
+
+def test_shards_hold_each_document_encoded_alone_with_many_chunks_in_flight(
+        prepared, corpus, tmp_path, monkeypatch):
+    """The overlapped encoder keeps corpus order: with chunks of ~one document, each
+    document's ids equal the tokenizer's own encode of that document alone."""
+    monkeypatch.setattr(prepare, "ENCODE_CHUNK_CHARS", 50)
+    out = tmp_path / "small_chunks"
+    manifest = prepare.prepare(str(corpus[0]), str(out), shard_tokens=700, val_fraction=0.2,
+                               tokenizer=str(prepared / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(prepared / "tokenizer.json"))
+    tokenizer.encode_special_tokens = True
+    ids = documents_of(stream(out, "train"), manifest["eos_id"])
+    train_texts = [t for k, t in source_documents(corpus[0]) if not prepare.is_val(k, 0.2)]
+    assert ids == [tokenizer.encode(t, add_special_tokens=False).ids for t in train_texts]
+
+
+def test_max_tokens_stops_after_whole_documents(prepared, corpus, tmp_path):
+    full = [len(d) + 1 for d in documents_of(stream(prepared, "train"),
+                                             data.load_manifest(prepared)["eos_id"])]
+    limit = sum(full[:7]) - 3  # inside the 7th document: it is kept whole, the 8th is not
+    manifest = prepare.prepare(str(corpus[0]), str(tmp_path / "capped"), shard_tokens=700,
+                               val_fraction=0.2, max_tokens=limit,
+                               tokenizer=str(prepared / "tokenizer.json"))
+    assert manifest["splits"]["train"]["tokens"] == sum(full[:7])
+    assert manifest["splits"]["train"]["documents"] == 7 and manifest["max_tokens"] == limit
+
+
+def test_tokenizer_is_trained_on_the_bounded_sample_only(corpus, tmp_path):
+    """With tokenizer_chars smaller than the corpus, the tokenizer is the one trained on the
+    first train documents up to that budget, and not the one trained on all of them."""
+    texts = [t for k, t in source_documents(corpus[0]) if not prepare.is_val(k, 0.2)]
+    budget = sum(len(t) for t in texts[:5])
+    prepare.prepare(str(corpus[0]), str(tmp_path / "bounded"), vocab_size=300,
+                    val_fraction=0.2, tokenizer_chars=budget)
+    got = (tmp_path / "bounded" / "tokenizer.json").read_text()
+    assert got == prepare.train_tokenizer(texts[:5], 300).to_str()
+    assert got != prepare.train_tokenizer(texts, 300).to_str()
+
+
+def test_a_large_txt_file_is_read_in_pieces_into_the_same_documents(tmp_path, monkeypatch):
+    documents = [f"doc {i}\r\n" + "x" * (i * 7 % 23) for i in range(30)]
+    source = tmp_path / "big.txt"
+    source.write_bytes(EOS_TOKEN.join(documents).encode())
+    monkeypatch.setattr(prepare, "READ_CHARS", 5)  # pieces split documents and EOS tokens
+    got = list(prepare.txt_documents(source, "big.txt"))
+    assert got == [(f"big.txt:{i}", d) for i, d in enumerate(documents)]
+
+
+def test_a_non_utf8_jsonl_line_is_skipped_alone(tmp_path):
+    source = tmp_path / "mixed.jsonl"
+    source.write_bytes(b'{"text": "good one"}\n{"text": "caf\xe9"}\n{"text": "good two"}\n')
+    skipped = []
+    got = list(prepare.file_documents(source, tmp_path, "text", skipped))
+    assert got == [("mixed.jsonl:1", "good one"), ("mixed.jsonl:3", "good two")]
+    assert [s["file"] for s in skipped] == [f"{source}:2"]
+
+
+def test_an_empty_val_split_is_refused_naming_the_fraction_that_fixes_it(corpus, tmp_path):
+    with pytest.raises(ValueError, match=r"the val split of .* is empty.*pass "
+                                         r"--val_fraction=(\S+) or more") as refused:
+        prepare.prepare(str(corpus[0]), str(tmp_path / "v"), vocab_size=300, val_fraction=1e-4)
+    assert not (tmp_path / "v").exists() and not (tmp_path / "v.tmp").exists()
+    suggested = float(str(refused.value).split("--val_fraction=")[-1].split()[0])
+    manifest = prepare.prepare(str(corpus[0]), str(tmp_path / "v"), vocab_size=300,
+                               val_fraction=suggested)
+    assert manifest["splits"]["val"]["documents"] >= 1
+
+
+def test_hugging_face_subset_and_split_are_passed_through(tmp_path, monkeypatch):
+    fake = fake_datasets([{"text": f"row {i}: the quick brown fox"} for i in range(6)])
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    prepare.main(["--source", "someone/corpus", "--subset", "sample-10BT", "--split",
+                  "validation", "--out", str(tmp_path / "hub"), "--vocab_size", "300",
+                  "--val_fraction", "0", "--max_tokens", "1_000"])
+    assert fake.calls == [("load_dataset", "someone/corpus", "sample-10BT", "validation", True)] * 3
+    assert data.load_manifest(tmp_path / "hub")["subset"] == "sample-10BT"

@@ -14,6 +14,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import prepare
+
 REPO = Path(__file__).resolve().parent.parent
 
 # Appended to every command that trains: stop early, evaluate and sample little.
@@ -45,9 +47,15 @@ HOW = {
     "--micro_batch_size=8": ("run", FEW_STEPS),
     'python prepare.py --source "corpus/*.txt" --out data/mycorpus': ("run", []),
     "python prepare.py --source docs.jsonl --text_field body --out data/docs": ("run", []),
-    "python prepare.py --source HuggingFaceFW/fineweb-edu --out data/fwe": (
-        "skip", "downloads a Hugging Face dataset; the datasets path is tested with a stand-in "
-                "module in tests/test_prepare.py"),
+    "python prepare.py --source HuggingFaceFW/fineweb-edu --subset sample-100BT "
+    "--max_tokens 20_000_000_000 --out data/fwe": (
+        "skip", "downloads a Hugging Face dataset; the datasets path (subset, split, "
+                "max_tokens) is tested with a stand-in module in tests/test_prepare.py"),
+    "python prepare.py --source HuggingFaceTB/smollm-corpus --subset fineweb-edu-dedup "
+    "--max_tokens 20_000_000_000 --out data/fwe-dedup": (
+        "skip", "downloads a Hugging Face dataset, as the command above"),
+    "python train.py --preset stack100m --data_dir=data/fwe": (
+        "skip", "trains on the download above; the same command runs on data/mycorpus below"),
     "python prepare.py --source more.txt --tokenizer data/mycorpus/tokenizer.json "
     "--out data/more": ("run", []),
     "python prepare.py --verify data/mycorpus": ("run", []),
@@ -80,7 +88,10 @@ def make_corpus(cwd: Path):
     (cwd / "corpus" / "a.txt").write_text("<|endoftext|>".join(texts))
     lines = [json.dumps({"body": t}) for t in texts]
     (cwd / "docs.jsonl").write_text("\n".join(lines))
-    (cwd / "more.txt").write_text("<|endoftext|>".join(texts[:10]))
+    # more.txt: as many documents as it takes for one to hash into the 1% val split
+    n_more = next(i for i in range(10_000) if prepare.is_val(f"more.txt:{i}", 0.01)) + 1
+    (cwd / "more.txt").write_text("<|endoftext|>".join(texts[i % len(texts)][:2000]
+                                                       for i in range(n_more)))
     (cwd / "run.toml").write_text("warmup_steps = 1\nlog_every = 1\n")
 
 
