@@ -150,8 +150,9 @@ def unwrapped_optimizer(optimizer):
 
 
 def save(accelerator, model, optimizers: list, train_state: dict, out_dir,
-         keep_last: int) -> Path:
-    """Write train_state["step"]'s checkpoint atomically; keep the newest `keep_last`.
+         keep_last: int, keep_steps=()) -> Path:
+    """Write train_state["step"]'s checkpoint atomically; keep the newest `keep_last`, and
+    those of `keep_steps` whatever their age.
 
     `model` is the unwrapped model; `optimizers` the torch optimizers. Non-finite weights
     are never written over a good checkpoint: each rank checks the values it holds (its
@@ -178,7 +179,8 @@ def save(accelerator, model, optimizers: list, train_state: dict, out_dir,
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         for old in complete_checkpoints(out_dir)[:-keep_last]:
-            shutil.rmtree(old)
+            if int(old.name.removeprefix("step_")) not in keep_steps:
+                shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
 

@@ -100,7 +100,12 @@ class TrainConfig:
     model: StackConfig = field(default_factory=StackConfig,
                                metadata={"help": "the decoder's shape"})
     # data and outputs
-    data_dir: str = knob("data/stdlib-32k", "tokenized dataset, made by `python prepare.py`")
+    data_dir: str = knob("data/stdlib-32k", "prepared data (`python prepare.py`), or a mixture "
+                                            "by shares of the tokens: dirA:7,dirB:2,dirC:1")
+    anneal_data_dir: str | None = knob(None, "the mixture from decay_start on, same syntax (the "
+                                             "decay phase as mid-training, arXiv 2404.06395)")
+    data_stages: tuple[dict, ...] = knob((), "more stages, in a TOML file only: [[data_stages]] "
+                                             "with start = STEP and data_dir = MIXTURE")
     out_dir: str = knob("out/stack100m", "checkpoints (out_dir/ckpt), metrics.jsonl, export")
     # batch: the global batch is fixed in tokens; gradient accumulation is derived from it
     seq_len: int = knob(2048, "tokens per training sequence")
@@ -164,6 +169,7 @@ class TrainConfig:
         if isinstance(self.model, dict):
             self.model = StackConfig(**self.model)
         self.betas = tuple(self.betas)
+        self.data_stages = tuple(dict(stage) for stage in self.data_stages)
         self.validate()
 
     def validate(self):
@@ -203,6 +209,7 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
         self.recompute_every  # raises if activation_recompute is malformed
+        self.stages(None)  # raises if a mixture or a stage is malformed
 
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro-batches per rank per optimizer step, derived so the global batch survives
@@ -220,6 +227,34 @@ class TrainConfig:
                              f"by micro_batch_size*seq_len*world_size={self.micro_batch_size}*"
                              f"{self.seq_len}*{world_size}={per_step:,}; {fix}")
         return self.global_batch_tokens // per_step
+
+    def stages(self, decay_start: int | None) -> list[tuple[int, tuple[tuple[str, float], ...]]]:
+        """The data stages, (first step, ((data_dir, weight), ...)), by step: data_dir from
+        step 0, each [[data_stages]] table from its start, anneal_data_dir from decay_start
+        (optim.wsd_phases resolves it; None: its mixture is only checked). Weights are
+        normalised to shares."""
+        tables = [(0, "data_dir", self.data_dir)]
+        for i, table in enumerate(self.data_stages):
+            if set(table) != {"start", "data_dir"} or type(table["start"]) is not int \
+                    or not isinstance(table["data_dir"], str):
+                raise ValueError(f"data_stages[{i}] = {table!r}: each [[data_stages]] table "
+                                 f"holds start = STEP (an integer) and data_dir = \"MIXTURE\"")
+            tables.append((table["start"], f"data_stages[{i}]", table["data_dir"]))
+        if self.anneal_data_dir is not None:
+            if decay_start is None:
+                parse_mixture(self.anneal_data_dir, "anneal_data_dir")
+            else:
+                tables.append((decay_start, "anneal_data_dir", self.anneal_data_dir))
+        starts = {}
+        for start, name, _ in tables:
+            if not 0 <= start <= self.total_steps:
+                raise ValueError(f"{name} starts at step {start:,}, outside the schedule's 0.."
+                                 f"{self.total_steps:,}")
+            if start in starts:
+                raise ValueError(f"{name} and {starts[start]} both start at step {start:,}; "
+                                 f"a step reads one stage: move one of them")
+            starts[start] = name
+        return sorted((start, parse_mixture(spec, name)) for start, name, spec in tables)
 
     @property
     def recompute_every(self) -> int:
@@ -245,35 +280,82 @@ class TrainConfig:
                 f"{self.micro_batch_size} micro × {accum} accum × {world_size} {ranks}")
 
 
+def parse_mixture(spec: str, name: str = "data_dir") -> tuple[tuple[str, float], ...]:
+    """`dirA:7,dirB:2,dirC:1` -> ((dirA, 0.7), (dirB, 0.2), (dirC, 0.1)); a bare directory
+    is a mixture of one. Weights are shares of the training tokens, whatever each source's
+    size, normalised to sum to 1."""
+    sources = []
+    for item in spec.split(","):
+        path, colon, weight = item.strip().rpartition(":")
+        if not colon:
+            path, weight = weight, "1"
+        try:
+            share = float(weight)
+        except ValueError:
+            share = math.nan
+        if not path or not (share > 0 and math.isfinite(share)):
+            raise ValueError(f"{name}={spec!r}: {item.strip()!r} is not DIR or DIR:WEIGHT with "
+                             f"a positive weight; write e.g. {name}=data/fwe:7,data/cosmo:3")
+        sources.append((path, share))
+    paths = [path for path, _ in sources]
+    if len(set(paths)) < len(paths):
+        raise ValueError(f"{name}={spec!r} names a directory twice; give each source once, "
+                         f"with its whole weight")
+    total = sum(share for _, share in sources)
+    return tuple((path, share / total) for path, share in sources)
+
+
 # Repeating data up to about 4 epochs trains almost as well as fresh data; beyond that the
 # returns fall off fast (Muennighoff et al., "Scaling Data-Constrained Language Models",
 # arXiv 2305.16264). A plan past it is warned about, and refused under --max_epochs.
 EPOCHS_WARNED = 4
 
 
-def check_epochs(cfg: TrainConfig, tokens_per_epoch: int) -> str | None:
-    """The warning line for a plan that reads the train split more than EPOCHS_WARNED
-    times (None if it does not); a ValueError if it exceeds an explicit max_epochs."""
-    epochs = cfg.stop_at_step * cfg.global_batch_tokens / tokens_per_epoch
-    if cfg.max_epochs is not None and epochs > cfg.max_epochs:
-        raise ValueError(f"this run would read {cfg.data_dir} {epochs:,.1f} times "
-                         f"({cfg.stop_at_step:,} steps × {cfg.global_batch_tokens:,} tokens over "
-                         f"{tokens_per_epoch:,} tokens/epoch), more than max_epochs="
-                         f"{cfg.max_epochs:g}; prepare a larger corpus or a mixture of corpora "
-                         f"(README: Preparing a real corpus), or lower --stop_at_step")
-    if epochs > EPOCHS_WARNED:
-        return (f"warning: this run reads {cfg.data_dir} {epochs:,.1f} times (more than "
-                f"{EPOCHS_WARNED} epochs, past which repeated data teaches little); prepare a "
-                f"real corpus or a mixture of corpora (README: Preparing a real corpus), or set "
-                f"--max_epochs to refuse such a plan")
-    return None
+def data_plan(cfg: TrainConfig, stages: list, tokens_per_epoch: dict[str, int]) -> list[dict]:
+    """One row per stage and source: its share, the train tokens it holds (one epoch), and
+    the tokens this run reads from it in that stage (the stage's steps before stop_at_step
+    × the global batch × the share)."""
+    rows = []
+    for k, (start, sources) in enumerate(stages):
+        end = stages[k + 1][0] if k + 1 < len(stages) else cfg.stop_at_step
+        steps = max(0, min(end, cfg.stop_at_step) - start)
+        rows += [{"start": start, "source": path, "weight": weight,
+                  "available": tokens_per_epoch[path],
+                  "planned": round(steps * cfg.global_batch_tokens * weight)}
+                 for path, weight in sources]
+    return rows
 
 
-# What a resume may not change: the model's shape (the weights would not fit), the data and
-# the order it is read in (the loader's cursor counts windows of this data, this seq_len and
-# this seed's shuffle), and which optimizer holds the matrices (its state is in the
-# checkpoint). Every other knob given on a resume's command line takes effect.
-FIXED_ON_RESUME = ("model.", "data_dir", "seq_len", "seed", "matrix_optimizer")
+def check_epochs(cfg: TrainConfig, plan: list[dict]) -> list[str]:
+    """A warning line for each source this run reads more than EPOCHS_WARNED times, over
+    all its stages; a ValueError naming the first source past an explicit max_epochs."""
+    planned, available = {}, {}
+    for row in plan:
+        planned[row["source"]] = planned.get(row["source"], 0) + row["planned"]
+        available[row["source"]] = row["available"]
+    warnings = []
+    for source, tokens in planned.items():
+        epochs = tokens / available[source]
+        if cfg.max_epochs is not None and epochs > cfg.max_epochs:
+            raise ValueError(f"this run would read {source} {epochs:,.1f} times ({tokens:,} "
+                             f"tokens planned over {available[source]:,} tokens/epoch), more "
+                             f"than max_epochs={cfg.max_epochs:g}; prepare a larger corpus or a "
+                             f"mixture of corpora (README: Preparing a real corpus), or lower "
+                             f"--stop_at_step or the source's weight")
+        if epochs > EPOCHS_WARNED:
+            warnings.append(f"warning: this run reads {source} {epochs:,.1f} times (more than "
+                            f"{EPOCHS_WARNED} epochs, past which repeated data teaches little); "
+                            f"prepare a real corpus or a mixture of corpora (README: Preparing "
+                            f"a real corpus), or set --max_epochs to refuse such a plan")
+    return warnings
+
+
+# What a resume may not change: the model's shape (the weights would not fit), the order the
+# data is read in (the loader's cursor counts windows of this seq_len and this seed's
+# shuffle), and which optimizer holds the matrices (its state is in the checkpoint). The
+# data itself may change only in stages not yet begun (check_stages). Every other knob
+# given on a resume's command line takes effect.
+FIXED_ON_RESUME = ("model.", "seq_len", "seed", "matrix_optimizer")
 
 
 def resume_changes(cfg: TrainConfig, saved: dict) -> list[tuple[str, object, object]]:
@@ -313,6 +395,27 @@ def saved_model(saved: dict, cfg: TrainConfig, given) -> StackConfig:
     return model
 
 
+def check_stages(saved: list, stages: list, step: int) -> list[str]:
+    """A resume at optimizer step `step` has begun every saved stage that starts before it:
+    those must be as they were (refused otherwise, naming the stage and each change). A
+    stage from `step` on has not been read yet: it may be added or edited; returns a line
+    for each such change, for the run to print."""
+    def text(stage):
+        return ",".join(f"{d}:{w:g}" for d, w in stage[1])
+    saved = {start: tuple(map(tuple, sources)) for start, sources in saved}
+    ours = {start: sources for start, sources in stages}
+    begun = [s for s in sorted(set(saved) | set(ours)) if s < step]
+    changed = [f"the stage from step {s:,}: {text((s, saved[s])) if s in saved else 'none'} → "
+               f"{text((s, ours[s])) if s in ours else 'none'}"
+               for s in begun if saved.get(s) != ours.get(s)]
+    if changed:
+        raise ValueError(f"resume at step {step:,}: {'; '.join(changed)}: a stage that has begun "
+                         f"cannot change (its windows are already trained on); change only "
+                         f"stages from step {step:,} on, or start a fresh --out_dir")
+    return [f"resume: data stage from step {s:,} {'changed' if s in saved else 'added'}: "
+            f"{text((s, ours[s]))}" for s in sorted(ours) if s >= step and saved.get(s) != ours[s]]
+
+
 def stack100m() -> TrainConfig:
     """The reference run: 524,288 tokens/step, stopped at the end of the stable phase."""
     return TrainConfig()
@@ -346,6 +449,11 @@ def _parse_value(text: str, kind, key: str):
         if text.lower() in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"--{key}={text!r}: expected true or false")
+    if kind == tuple[dict, ...]:  # tables: only a TOML file writes them
+        if text.strip().lower() in ("", "()", "[]", "none"):
+            return ()
+        raise ValueError(f"--{key}: set data stages in a TOML file ([[data_stages]] tables with "
+                         f"start and data_dir), or use --anneal_data_dir")
     if typing.get_origin(kind) is tuple:
         parts = text.strip("()[] ").split(",")
         return tuple(_parse_value(p.strip(), typing.get_args(kind)[0], key) for p in parts)
@@ -366,7 +474,10 @@ def _check_type(value, kind, key: str):
         if value is None:
             return None
         kind = next(k for k in typing.get_args(kind) if k is not type(None))
-    if typing.get_origin(kind) is tuple:
+    if kind == tuple[dict, ...]:
+        ok = isinstance(value, list) and all(isinstance(v, dict) for v in value)
+        expected = "[[data_stages]] tables, each with start and data_dir"
+    elif typing.get_origin(kind) is tuple:
         ok = isinstance(value, (list, tuple)) and all(
             isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
         expected = "a list of numbers, e.g. [0.9, 0.95]"

@@ -25,16 +25,21 @@ Windows. Window i is tokens [i*T, i*T + T + 1) of the stream: inputs are the fir
 targets the last T. The stride is T, so every token is a target exactly once per epoch.
 A row starts wherever its window starts, usually mid-document: position 0 and seq_id 0 there.
 
-Order and ranks. Epoch e visits the windows in a permutation seeded by (seed, e); the
-global stream is those permutations end to end. One cursor counts the windows all ranks
-have consumed together; a global micro-batch is the next micro_batch_size*world_size
-windows and rank r takes the r-th block of micro_batch_size. So the sequence of global
-batches depends on the seed alone, not on the number of ranks, and a saved cursor resumes
-exactly under any world size. The val split is visited in stream order, unshuffled.
+Order and ranks. Epoch e visits the windows in a permutation seeded by (seed, e, the
+data's fingerprint); the global stream is those permutations end to end. One cursor counts
+the windows all ranks have consumed together; a global micro-batch is the next
+micro_batch_size*world_size windows and rank r takes the r-th block of micro_batch_size.
+So the sequence of global batches depends on the seed alone, not on the number of ranks,
+and a saved cursor resumes exactly under any world size. The val split is visited in
+stream order, unshuffled.
 
-Exact resume. state_dict() is that cursor plus what it depends on (split, seq_len, seed,
-a hash of the shards); load_state_dict() refuses a state from other data rather than
-silently reading other windows.
+Mixtures. Training reads a `MixtureLoader`: stages of prepared directories by weight, each
+a PackedShardLoader's train stream, interleaved so that every stretch of the stream holds
+each source's share (`interleave`), with the same one-cursor rule across ranks.
+
+Exact resume. state_dict() is that cursor plus what it depends on (seq_len, seed, the
+data's identity, and for a mixture each source's position); load_state_dict() refuses a
+state from other data rather than silently reading other windows.
 
 On disk. `python prepare.py` writes a directory once, offline (its docstring lists the
 files): tokenizer.json, manifest.json and {train,val}_NNNNN.bin shards of raw token ids.
@@ -51,10 +56,13 @@ This file imports nothing else from stacklm.
 import bisect
 import hashlib
 import json
+import math
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -67,6 +75,7 @@ MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 CHECKED = "checked.json"  # shards already hashed and found good (see check_shards)
 
+LAYOUT_BLOCK = 1 << 16  # mixture positions laid out at once (1 MB of layout)
 VERIFY_CHUNK_BYTES = 8 << 20  # read, hash and scan a shard this much at a time
 VERIFY_THREADS = 8  # shards hashed at once: hashlib and numpy release the GIL
 
@@ -97,6 +106,8 @@ class PackedShardLoader:
                        for path, _ in shards]
         sizes = [entry["tokens"] for _, entry in shards]
         self.shard_starts = [sum(sizes[:i]) for i in range(len(sizes))]  # stream offsets
+        self.fingerprint = fingerprint(self.manifest)
+        self.fingerprint_words = [int(self.fingerprint[i:i + 8], 16) for i in range(0, 32, 8)]
         # Identifies the data in state_dict: a cursor means nothing on other tokens.
         self.data_sha256 = hashlib.sha256("".join(e["sha256"] for _, e in shards).encode()) \
             .hexdigest()
@@ -113,7 +124,6 @@ class PackedShardLoader:
         self.cursor = 0  # windows consumed by all ranks together
         self.new_epochs = []  # epochs begun since the log last asked (take_new_epochs)
         self._permutation_epoch, self._permutation = None, None
-        self._positions = np.arange(seq_len)  # (T,)
 
     @property
     def epoch(self) -> int:
@@ -144,8 +154,11 @@ class PackedShardLoader:
         return windows
 
     def permutation(self, epoch: int) -> np.ndarray:
+        """A fresh order each epoch, seeded by (seed, epoch, the data's own fingerprint): not
+        by the source's place in a mixture, so listing sources in another order or adding
+        one changes no source's order; and two sources never share a shuffle."""
         if epoch != self._permutation_epoch:
-            rng = np.random.default_rng([self.seed, epoch])
+            rng = np.random.default_rng([self.seed, epoch, *self.fingerprint_words])
             self._permutation_epoch = epoch
             self._permutation = rng.permutation(self.windows_per_epoch)
         return self._permutation
@@ -174,24 +187,15 @@ class PackedShardLoader:
             filled += len(piece)
             shard += 1
 
+    def read_rows(self, windows: np.ndarray, out: np.ndarray):
+        """Fill each row of out (B, T+1) with its window's T+1 tokens."""
+        for row, window in zip(out, windows, strict=True):
+            self.read(int(window) * self.seq_len, row)
+
     def batch(self, windows: np.ndarray) -> dict[str, torch.Tensor]:
-        T = self.seq_len
-        tokens = np.empty((len(windows), T + 1), dtype=self.shards[0].dtype)  # (B, T+1)
-        for row, window in zip(tokens, windows, strict=True):
-            self.read(int(window) * T, row)
-        inputs = tokens[:, :-1]  # (B, T)
-        starts = inputs == self.eos_id  # an EOS opens the document that follows it
-        starts[:, 0] = False  # the row's first segment is document 0, whatever opens it
-        seq_ids = np.cumsum(starts, axis=1, dtype=np.int64)  # (B, T)
-        # position = t - (latest segment start at or before t), computed in place: fresh
-        # (B, T) int64 arrays cost more in page faults than the arithmetic does
-        position_ids = np.multiply(starts, self._positions, dtype=np.int64)  # start t, else 0
-        np.maximum.accumulate(position_ids, axis=1, out=position_ids)
-        np.subtract(self._positions, position_ids, out=position_ids)  # (B, T)
-        return {"input_ids": torch.from_numpy(inputs.astype(np.int64)),
-                "targets": torch.from_numpy(tokens[:, 1:].astype(np.int64)),
-                "position_ids": torch.from_numpy(position_ids),
-                "seq_ids": torch.from_numpy(seq_ids)}
+        tokens = np.empty((len(windows), self.seq_len + 1), dtype=self.shards[0].dtype)
+        self.read_rows(windows, tokens)  # (B, T+1)
+        return pack(tokens, self.eos_id)
 
     def state_dict(self) -> dict:
         return {"split": self.split, "cursor": self.cursor, "seed": self.seed,
@@ -208,6 +212,165 @@ class PackedShardLoader:
                                  f"has {mine[key]!r}; resume with the same data_dir, split, "
                                  f"seq_len and seed, or start the data stream afresh")
         self.cursor = int(state["cursor"])
+
+
+def pack(tokens: np.ndarray, eos_id: int) -> dict[str, torch.Tensor]:
+    """(B, T+1) token rows -> the four (B, T) int64 tensors of a batch."""
+    inputs = tokens[:, :-1]  # (B, T)
+    starts = inputs == eos_id  # an EOS opens the document that follows it
+    starts[:, 0] = False  # the row's first segment is document 0, whatever opens it
+    seq_ids = np.cumsum(starts, axis=1, dtype=np.int64)  # (B, T)
+    # position = t - (latest segment start at or before t), computed in place: fresh
+    # (B, T) int64 arrays cost more in page faults than the arithmetic does
+    positions = np.arange(inputs.shape[1])  # (T,)
+    position_ids = np.multiply(starts, positions, dtype=np.int64)  # start t, else 0
+    np.maximum.accumulate(position_ids, axis=1, out=position_ids)
+    np.subtract(positions, position_ids, out=position_ids)  # (B, T)
+    return {"input_ids": torch.from_numpy(inputs.astype(np.int64)),
+            "targets": torch.from_numpy(tokens[:, 1:].astype(np.int64)),
+            "position_ids": torch.from_numpy(position_ids),
+            "seq_ids": torch.from_numpy(seq_ids)}
+
+
+# ---------------------------------------------------------------------------------------
+# Mixtures: several prepared directories by weight, in stages
+# ---------------------------------------------------------------------------------------
+
+class Stage(NamedTuple):
+    """From optimizer step `start` on, the run reads `sources`: (data_dir, weight) pairs;
+    a weight is a share of the training windows, whatever the source's size."""
+    start: int
+    sources: tuple[tuple[str, float], ...]
+
+
+def integer_weights(weights) -> list[int]:
+    """Weights as the smallest integers in the same ratio (7, 2, 1 stay; 0.6, 0.3, 0.1 ->
+    6, 3, 1), so that interleave compares them exactly."""
+    fractions = [Fraction(w).limit_denominator(1000) for w in weights]
+    scale = math.lcm(*(f.denominator for f in fractions))
+    ints = [int(f * scale) for f in fractions]
+    divisor = math.gcd(*ints)
+    return [i // divisor for i in ints]
+
+
+def interleave(weights: list[int], first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(source, j) for each position [first, first + count) of a mixture: which source
+    fills it, and with which of that source's windows (its j-th in this stage).
+
+    Source i's j-th window has the key (j + 1/2) / w_i, and the stream takes every source's
+    windows in key order (ties: the lower i first). Each source is spread evenly, so every
+    prefix of the stream, and every stretch of it, holds each source's share w_i / sum(w)
+    to within a window or two. No sort is needed: a window's position is the number of
+    keys before its own, counted in integers per source, so any stretch of the stream is
+    computed on its own, in O(count · sources)."""
+    total, n = sum(weights), len(weights)
+    source, index = np.empty(count, np.int8), np.empty(count, np.int64)
+    for i, w in enumerate(weights):
+        # pos(i, j) = (j + 1/2) · total / w - 1/2, within n - 1: these j cover the stretch
+        j = np.arange(max(0, first * w // total - n - 1), (first + count) * w // total + n + 2)
+        odd, pos = 2 * j + 1, j - first  # pos: j, plus the other sources' keys before j's
+        for other, v in enumerate(weights):
+            if other != i:  # count odd o >= 1 with o / v before odd / w, in place (10M: 0.5 s)
+                before = odd * v
+                if other > i:  # a tie goes to the lower source: strictly before
+                    before -= 1
+                before //= w
+                before += 1
+                before >>= 1
+                pos += before
+        here = (pos >= 0) & (pos < count)
+        source[pos[here]], index[pos[here]] = i, j[here]
+    return source, index
+
+
+class MixtureLoader:
+    """The training stream of a run: stages of weighted sources, each source a train split
+    read in its own seeded order (PackedShardLoader). One cursor counts the windows all
+    ranks consumed in the current stage, a global micro-batch is the next
+    micro_batch_size × world_size positions of `interleave`, and rank r takes the r-th
+    block, as for one source. The stage is a function of the optimizer step (set_step),
+    so a stage starts on a step boundary, and a source in two stages continues where it
+    stopped: its position is what it gave before the stage, plus j."""
+
+    def __init__(self, stages: list[Stage], seq_len, micro_batch_size, rank=0, world_size=1,
+                 seed=1337):
+        self.stages, self.seq_len, self.seed = stages, seq_len, seed
+        self.micro_batch_size, self.rank, self.world_size = micro_batch_size, rank, world_size
+        dirs = list(dict.fromkeys(d for stage in stages for d, _ in stage.sources))
+        self.sources = {d: PackedShardLoader(d, "train", seq_len, micro_batch_size, rank,
+                                             world_size, seed) for d in dirs}
+        self.eos_id = self.sources[dirs[0]].eos_id  # one tokenizer: train.py checks it
+        self.dtype = np.result_type(*(s.shards[0].dtype for s in self.sources.values()))
+        self.consumed = dict.fromkeys(dirs, 0)  # windows each source has given, all stages
+        self.stage, self.cursor, self.offsets = None, 0, {}
+        self.set_step(0)
+
+    def set_step(self, step: int):
+        """Enter the stage that covers optimizer step `step`. Its sources continue from what
+        they gave so far (self.consumed); its cursor starts at 0."""
+        stage = max((s for s in self.stages if s.start <= step), key=lambda s: s.start)
+        if stage != self.stage:
+            self.stage, self.cursor, self.offsets = stage, 0, dict(self.consumed)
+            self.weights = integer_weights([w for _, w in stage.sources])
+            self._layout_start, self._layout = 0, (np.empty(0), np.empty(0))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        B, batch = self.micro_batch_size, self.micro_batch_size * self.world_size
+        source, index = self.layout(self.cursor, batch)  # (B·world,) each
+        mine = slice(self.rank * B, self.rank * B + B)
+        tokens = np.empty((B, self.seq_len + 1), dtype=self.dtype)  # (B, T+1)
+        given = np.bincount(source, minlength=len(self.stage.sources))  # all ranks' rows
+        for i, (d, _) in enumerate(self.stage.sources):
+            loader, rows = self.sources[d], np.flatnonzero(source[mine] == i)
+            positions = self.offsets[d] + index[mine][rows]  # the source's own stream
+            for row, window in zip(rows, loader.window_indices(positions), strict=True):
+                loader.read(int(window) * self.seq_len, tokens[row])
+            loader.note_new_epochs(self.consumed[d], self.consumed[d] + int(given[i]))
+            self.consumed[d] += int(given[i])
+        self.cursor += batch
+        return pack(tokens, self.eos_id)
+
+    def layout(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """interleave's (source, j) for stage positions [first, first + count), computed
+        LAYOUT_BLOCK positions at a time: one numpy call per block, not per micro-batch."""
+        start = self._layout_start
+        if not (start <= first and first + count <= start + len(self._layout[0])):
+            start, self._layout_start = first, first
+            self._layout = interleave(self.weights, first, max(count, LAYOUT_BLOCK))
+        return self._layout[0][first - start:first - start + count], \
+            self._layout[1][first - start:first - start + count]
+
+    def take_new_epochs(self) -> dict[str, list[int]]:
+        """Per source, the epochs begun since the last call (for the log)."""
+        return {d: loader.take_new_epochs() for d, loader in self.sources.items()}
+
+    def tokens_read(self) -> dict[str, int]:
+        return {d: n * self.seq_len for d, n in self.consumed.items()}
+
+    def state_dict(self) -> dict:
+        return {"seq_len": self.seq_len, "seed": self.seed, "stage_start": self.stage.start,
+                "cursor": self.cursor, "offsets": self.offsets, "consumed": self.consumed,
+                "fingerprints": {d: s.fingerprint for d, s in self.sources.items()}}
+
+    def load_state_dict(self, state: dict):
+        """Resume at a saved cursor. The stream is only the same if seq_len, seed and the
+        contents of every source it read are: any difference is an error."""
+        for key in ("seq_len", "seed"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"loader state was saved with {key}={state[key]!r}, this run "
+                                 f"has {getattr(self, key)!r}; resume with the same {key}")
+        for d, saved in state["fingerprints"].items():
+            if d in self.sources and saved != self.sources[d].fingerprint:
+                raise ValueError(f"source {d} changed since the checkpoint was written (its "
+                                 f"shards or tokenizer differ); restore it, or start afresh")
+        self.consumed = {d: state["consumed"].get(d, 0) for d in self.sources}
+        self.stage = None
+        self.set_step(state["stage_start"])
+        self.cursor = int(state["cursor"])
+        self.offsets = {d: state["offsets"].get(d, self.consumed[d]) for d in self.sources}
 
 
 # ---------------------------------------------------------------------------------------

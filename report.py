@@ -81,15 +81,13 @@ class Hardware:
 
 
 def banner(cfg, hardware: Hardware, n_params: int, n_muon: int, optimizers: str,
-           schedule: str, flops: dict[str, float], tokens_per_epoch: int) -> str:
+           schedule: str, flops: dict[str, float], plan: list[dict]) -> str:
     """Everything a practitioner checks before trusting a run, with units.
 
     `optimizers` and `schedule` are the one-line summaries optim.py makes; `flops` holds
-    the FLOP/token of both conventions ("causal", "palm")."""
+    the FLOP/token of both conventions ("causal", "palm"); `plan` config.data_plan's rows."""
     budget = memory_estimate(cfg, n_params, n_muon, hardware.world,
                              hardware.distributed == "FSDP", hardware.precision == "bf16")
-    run_tokens = cfg.stop_at_step * cfg.global_batch_tokens
-    epochs = run_tokens / tokens_per_epoch
     lines = [
         f"model: {n_params / 1e6:.2f}M parameters ({optimizers})",
         f"FLOP/token: {flops['causal']:.3e} causal, {flops['palm']:.3e} palm "
@@ -97,8 +95,9 @@ def banner(cfg, hardware: Hardware, n_params: int, n_muon: int, optimizers: str,
         f"batch: {cfg.batch_summary(hardware.world)}",
         f"schedule: {schedule}; this run stops at step {cfg.stop_at_step:,} of "
         f"{cfg.total_steps:,}",
-        f"data: {cfg.data_dir}, {tokens_per_epoch:,} train tokens/epoch; this run "
-        f"reads {run_tokens:,} tokens = {epochs:.2f} epochs",
+        *(f"data from step {row['start']:,}: {row['source']} × {row['weight']:.3g}, "
+          f"{row['available']:,} train tokens/epoch; this run reads {row['planned']:,} tokens "
+          f"= {row['planned'] / row['available']:.2f} epochs" for row in plan),
         f"hardware: {hardware.world} × {hardware.device} ({hardware.distributed}), "
         f"precision {hardware.precision}, compile {hardware.compiled}, activation "
         f"recompute {cfg.activation_recompute}",
@@ -163,7 +162,7 @@ class MetricsLogger:
                 self.wandb.log(record, step=record["step"])
 
     def log_train(self, step: int, result: dict, lrs: dict[str, float], tokens_seen: int,
-                  skipped_steps: int, train_seconds: float) -> dict:
+                  skipped_steps: int, train_seconds: float, tokens_read: dict) -> dict:
         """Throughput over the steps since the last line, on training time only (evaluation
         and checkpoints excluded). TFLOP/s and MFU follow from tokens/s by construction:
         tflops = flops_per_token × tokens/s and mfu = tflops / (peak × ranks)."""
@@ -176,7 +175,8 @@ class MetricsLogger:
         record = {
             "step": step, "loss": result["loss"], "ce": result["ce"], "z": result["z"],
             "grad_norm": result["grad_norm"], **{f"lr_{k}": v for k, v in lrs.items()},
-            "tokens_seen": tokens_seen,
+            "tokens_seen": tokens_seen,  # and below, the tokens read from each source so far
+            **{f"tokens/{source}": tokens for source, tokens in tokens_read.items()},
             "tokens_per_s": tokens_per_s, "tflops": tflops, "tflops_palm": tflops_palm,
             "mfu": tflops / peak_tflops if peak_tflops else None,
             "mfu_palm": tflops_palm / peak_tflops if peak_tflops else None,
@@ -191,17 +191,27 @@ class MetricsLogger:
         return record
 
     def log_eval(self, step: int, metrics: dict):
-        self.print(f"eval {step:>6,} | val_loss {metrics['val_loss']:.4f} | "
-                   f"val_bpb {metrics['val_bpb']:.4f}")
-        self.write({"step": step, "val_loss": metrics["val_loss"],
-                    "val_bpb": metrics["val_bpb"]})
+        """The mixture's val loss and bits per byte, then each source's when there are
+        several (`val_loss/<source>`). The mixture's value weights the sources by the first
+        stage's shares for the whole run, so it stays comparable across a stage switch."""
+        sources = [k.split("/", 1)[1] for k in metrics if k.startswith("val_loss/")]
+        line = (f"eval {step:>6,} | val_loss {metrics['val_loss']:.4f} | "
+                f"val_bpb {metrics['val_bpb']:.4f}")
+        if len(sources) > 1:
+            line += " (mixture at the first stage's shares) | " + " | ".join(
+                f"{name} {metrics[f'val_loss/{name}']:.4f}" for name in sources)
+        self.print(line)
+        self.write({"step": step, **{k: v for k, v in metrics.items()
+                                     if k.split("/")[0] in ("val_loss", "val_bpb")}})
 
-    def log_epochs(self, epochs: list[int]):
-        """One line for every epoch of the train split begun since the last log line: a
-        small corpus can pass several in one interval (`data: train epochs 3–9 began`)."""
-        if epochs:
-            which = f"s {epochs[0]}–{epochs[-1]}" if len(epochs) > 1 else f" {epochs[0]}"
-            self.print(f"data: train epoch{which} began")
+    def log_epochs(self, epochs: dict[str, list[int]]):
+        """One line per source for the epochs of its train split begun since the last log
+        line: a small corpus can pass several in one interval (`data: train epochs 3–9 of
+        data/x began`)."""
+        for source, begun in epochs.items():
+            if begun:
+                which = f"s {begun[0]}–{begun[-1]}" if len(begun) > 1 else f" {begun[0]}"
+                self.print(f"data: train epoch{which} of {source} began")
 
     def log_skipped(self, step: int, loss: float, grad_norm: float, skipped_steps: int):
         """A step whose update was skipped; `step` is numbered as the training rows are."""

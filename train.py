@@ -6,7 +6,8 @@
 
 `main(cfg)` is the whole program. `setup` builds the accelerator, data, model, optimizers
 and restores the checkpoint, if any. Each pass of the loop then runs, in order: evaluate
-(every eval_every steps) → set the learning rates from the schedule → one optimizer step
+(every eval_every steps) → set the learning rates and the data stage from the step → one
+optimizer step
 (forward and backward over every micro-batch, clip, step) → log → checkpoint (every
 ckpt_every steps). accelerate supplies DDP / FSDP2, bf16 autocast and gradient
 accumulation; the plumbing (checkpoints, the log) lives in checkpoint.py and report.py.
@@ -46,19 +47,20 @@ from model import Transformer, flops_per_token
 def main(cfg: TrainConfig) -> dict:
     """Train as `cfg` says; return the last logged metrics and the final evaluation."""
     run = setup(cfg)
-    token_bytes = data.token_bytes(cfg.data_dir).to(run.accelerator.device)
     bad_steps = 0  # consecutive steps whose update was skipped (non-finite loss or norm)
     last_eval, last_ckpt, train_seconds, metrics = None, run.step, 0.0, {}
     with checkpoint.StopFlag() as stop, make_logger(run) as logger:
         while run.step < cfg.stop_at_step:
-            if run.step % cfg.eval_every == 0 and last_eval != run.step:
-                metrics.update(evaluate(cfg, run.accelerator, run.model, token_bytes))
+            # A source new to a resumed run is evaluated at once: its curve has a before.
+            if (run.step % cfg.eval_every == 0 or run.new_sources) and last_eval != run.step:
+                metrics.update(validate(run))
                 logger.log_eval(run.step, metrics)
                 last_eval = run.step
 
             # The learning rate is a pure function of the step (never a prepared scheduler:
-            # accelerate would step it once per process).
+            # accelerate would step it once per process), and so is the data stage.
             run.optimizers.set_lr(optim.lr_multiplier(run.step, cfg))
+            run.loader.set_step(run.step)
             result = train_step(run, stop)
             train_seconds += result["seconds"]
             run.step += 1
@@ -75,7 +77,7 @@ def main(cfg: TrainConfig) -> dict:
             if run.step % cfg.log_every == 0 or run.step == cfg.stop_at_step:
                 metrics.update(logger.log_train(run.step, result, run.optimizers.lrs(),
                                                 run.tokens_seen, run.skipped_steps,
-                                                train_seconds))
+                                                train_seconds, run.loader.tokens_read()))
                 logger.log_epochs(run.loader.take_new_epochs())
             # Never during a non-finite streak: the weights may already be the damage.
             if (run.step % cfg.ckpt_every == 0 or result["stop"]) and bad_steps == 0:
@@ -88,7 +90,7 @@ def main(cfg: TrainConfig) -> dict:
                 return metrics
 
         if last_eval != run.step:
-            metrics.update(evaluate(cfg, run.accelerator, run.model, token_bytes))
+            metrics.update(validate(run))
             logger.log_eval(run.step, metrics)
         if last_ckpt != run.step and bad_steps == 0:
             save_checkpoint(run)
@@ -104,24 +106,30 @@ class Run:
     accelerator: Accelerator
     model: torch.nn.Module
     optimizers: optim.Optimizers  # Muon (or AdamW) on the matrices, AdamW on the rest
-    loader: data.PackedShardLoader
-    manifest: dict
+    loader: data.MixtureLoader
+    stages: list[data.Stage]  # the data stages: which sources, by weight, from which step
+    manifests: dict[str, dict]  # each source's manifest.json
     step: int = 0  # optimizer steps taken, advanced by the loop
     tokens_seen: int = 0  # tokens trained on, all ranks together
     skipped_steps: int = 0  # updates skipped for a non-finite loss or grad norm, in all
+    new_sources: bool = False  # a resume added sources: evaluate them before training on
 
 
 def setup(cfg: TrainConfig) -> Run:
     """Accelerator, data, model, optimizers, and the checkpoint to resume from. Every
     config and data mistake fails here, before any compute."""
-    optim.check_schedule(cfg)
+    phases = optim.check_schedule(cfg)
     candidates = checkpoint.resume_candidates(cfg.out_dir, cfg.resume)  # refuses overwrites
     accelerator = make_accelerator(cfg)
-    manifest = ensure_data(cfg, accelerator)
+    stages = [data.Stage(*stage) for stage in cfg.stages(phases.decay_start)]
+    manifests = ensure_data(cfg, stages, accelerator)
+    plan = config.data_plan(cfg, stages, {d: data.windows_per_epoch(m, "train", cfg.seq_len)
+                                          * cfg.seq_len for d, m in manifests.items()})
+    warnings = config.check_epochs(cfg, plan)  # refuses a plan past --max_epochs
     with accelerator.main_process_first():  # rank 0 hashes the shards; the rest read its record
-        loader = data.PackedShardLoader(cfg.data_dir, "train", cfg.seq_len, cfg.micro_batch_size,
-                                        accelerator.process_index, accelerator.num_processes,
-                                        seed=cfg.seed)
+        loader = data.MixtureLoader(stages, cfg.seq_len, cfg.micro_batch_size,
+                                    accelerator.process_index, accelerator.num_processes,
+                                    seed=cfg.seed)
     compiled = use_compile(cfg)
     model = build_model(cfg, compiled)
     if accelerator.distributed_type == DistributedType.FSDP:
@@ -129,10 +137,11 @@ def setup(cfg: TrainConfig) -> Run:
         # accelerate.prepare keeps a model that is already an FSDP module as it is.
         model = shard_model(model, accelerator.device, accelerator.mixed_precision == "bf16")
     optimizers = optim.build_optimizers(model, cfg)
-    accelerator.print(banner(cfg, accelerator, model, optimizers, loader, compiled))
+    accelerator.print(banner(cfg, accelerator, model, optimizers, plan, compiled))
+    accelerator.print("\n".join(warnings), end="\n" if warnings else "")
     model, *prepared = accelerator.prepare(model, *optimizers.named.values())
     optimizers = optim.Optimizers(dict(zip(optimizers.named, prepared, strict=True)))
-    run = Run(cfg, accelerator, model, optimizers, loader, manifest)
+    run = Run(cfg, accelerator, model, optimizers, loader, stages, manifests)
     resume(run, candidates)
     return run
 
@@ -176,17 +185,33 @@ def train_step(run: Run, stop: checkpoint.StopFlag) -> dict:
             "stop": stop_votes.item() > 0, "seconds": time.perf_counter() - t0}
 
 
+def validate(run: Run) -> dict:
+    """Every source's val loss and bits per byte (`val_loss/<data_dir>`), and the mixture's:
+    their mean weighted by the first stage's shares, the same weights for the whole run,
+    so the curve stays comparable across a stage switch."""
+    sources = list(run.loader.sources)
+    token_bytes = data.token_bytes(sources[0]).to(run.accelerator.device)  # one tokenizer
+    metrics = {}
+    for source in sources:
+        result = evaluate(run.cfg, run.accelerator, run.model, token_bytes, source)
+        metrics.update({f"{k}/{source}": v for k, v in result.items()})
+    run.new_sources = False
+    shares = run.stages[0].sources
+    for key in ("val_loss", "val_bpb"):
+        metrics[key] = sum(weight * metrics[f"{key}/{source}"] for source, weight in shares)
+    return metrics
+
+
 @torch.no_grad()
-def evaluate(cfg: TrainConfig, accelerator, model, token_bytes) -> dict:
+def evaluate(cfg: TrainConfig, accelerator, model, token_bytes, data_dir) -> dict:
     """Validation loss (cross-entropy in nats, no z-loss) and bits per byte over the first
-    `eval_tokens` of the val split (or all of it, if smaller), in a fixed order, summed
-    across ranks.
+    `eval_tokens` of data_dir's val split (or all of it, if smaller), in a fixed order,
+    summed across ranks.
 
     Bits per byte = total CE / ln 2 / total UTF-8 bytes of the target tokens: unlike the
     loss, it does not depend on the tokenizer, so runs with different vocabularies compare."""
     B, rank, world = cfg.micro_batch_size, accelerator.process_index, accelerator.num_processes
-    loader = data.PackedShardLoader(cfg.data_dir, "val", cfg.seq_len, B, rank, world,
-                                    seed=cfg.seed)
+    loader = data.PackedShardLoader(data_dir, "val", cfg.seq_len, B, rank, world, seed=cfg.seed)
     # At most one pass over the split, so no window counts twice: a small val split is not
     # re-read to fill eval_tokens, nor to fill the last global micro-batch. Rows past the
     # last window are padding without targets (-100); every rank still runs each forward,
@@ -223,26 +248,31 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
                        gradient_accumulation_steps=cfg.grad_accum_steps(world_size))
 
 
-def ensure_data(cfg: TrainConfig, accelerator: Accelerator) -> dict:
-    """The manifest of cfg.data_dir, preparing the built-in corpus first if it is missing.
-    Every data mistake is caught here, before the model is built."""
-    builtin = cfg.data_dir == prepare.builtin_data_dir(cfg.model.vocab_size)
+def ensure_data(cfg: TrainConfig, stages: list, accelerator: Accelerator) -> dict[str, dict]:
+    """The manifest of every source of every stage, preparing the built-in corpus first if
+    it is missing. Every data mistake is caught here, before the model is built: a missing
+    source, a tokenizer larger than the model's vocabulary, sources with different
+    tokenizers (a mixture's tokens must mean one thing)."""
+    sources = list(dict.fromkeys(d for stage in stages for d, _ in stage.sources))
+    builtin = prepare.builtin_data_dir(cfg.model.vocab_size)
     with accelerator.main_process_first():
-        if builtin and not (Path(cfg.data_dir) / "manifest.json").exists() \
+        if builtin in sources and not (Path(builtin) / "manifest.json").exists() \
                 and accelerator.is_main_process:
-            print(f"data: {cfg.data_dir} is missing; preparing the built-in corpus (the "
-                  f"Python standard library) with a {cfg.model.vocab_size:,}-token vocabulary")
-            prepare.prepare(out_dir=cfg.data_dir, vocab_size=cfg.model.vocab_size)
-    manifest = data.load_manifest(cfg.data_dir)
-    if manifest["vocab_size"] > cfg.model.vocab_size:
-        raise ValueError(f"{cfg.data_dir}: the tokenizer has {manifest['vocab_size']:,} ids "
-                         f"but model.vocab_size={cfg.model.vocab_size:,}; set "
-                         f"--model.vocab_size={manifest['vocab_size']} or re-prepare the data")
-    warning = config.check_epochs(cfg, data.windows_per_epoch(manifest, "train", cfg.seq_len)
-                                  * cfg.seq_len)
-    if warning:
-        accelerator.print(warning)
-    return manifest
+            print(f"data: {builtin} is missing; preparing the built-in corpus (the Python "
+                  f"standard library) with a {cfg.model.vocab_size:,}-token vocabulary")
+            prepare.prepare(out_dir=builtin, vocab_size=cfg.model.vocab_size)
+    manifests = {d: data.load_manifest(d) for d in sources}
+    first, first_sha = sources[0], manifests[sources[0]]["tokenizer"]["sha256"]
+    for d, manifest in manifests.items():
+        if manifest["tokenizer"]["sha256"] != first_sha:
+            raise ValueError(f"{first} and {d} were prepared with different tokenizers; a "
+                             f"mixture needs one: prepare {d} again with `python prepare.py "
+                             f"--tokenizer {first}/tokenizer.json`")
+        if manifest["vocab_size"] > cfg.model.vocab_size:
+            raise ValueError(f"{d}: the tokenizer has {manifest['vocab_size']:,} ids but "
+                             f"model.vocab_size={cfg.model.vocab_size:,}; set --model.vocab_size="
+                             f"{manifest['vocab_size']} or re-prepare the data")
+    return manifests
 
 
 def use_compile(cfg: TrainConfig) -> bool:
@@ -285,7 +315,7 @@ def shard_model(model: Transformer, device: torch.device, bf16: bool) -> Transfo
     return model
 
 
-def banner(cfg: TrainConfig, accelerator, model, optimizers, loader, compiled) -> str:
+def banner(cfg: TrainConfig, accelerator, model, optimizers, plan, compiled) -> str:
     """The start-up summary report.py prints: parameters, FLOPs, batch, schedule, memory."""
     hardware = report.Hardware(accelerator.num_processes, str(accelerator.device),
                                accelerator.distributed_type.value,
@@ -294,8 +324,7 @@ def banner(cfg: TrainConfig, accelerator, model, optimizers, loader, compiled) -
     n_muon = sum(p.numel() for g in muon.param_groups for p in g["params"]) if muon else 0
     n_params = sum(p.numel() for p in model.parameters())
     return report.banner(cfg, hardware, n_params, n_muon, optimizers.summary(),
-                         optim.schedule_summary(cfg), model_flops(cfg),
-                         loader.tokens_per_epoch)
+                         optim.schedule_summary(cfg), model_flops(cfg), plan)
 
 
 def model_flops(cfg: TrainConfig) -> dict[str, float]:  # FLOP/token in both conventions
@@ -310,14 +339,17 @@ def make_logger(run: Run) -> report.MetricsLogger:
 
 def save_checkpoint(run: Run):
     """out_dir/ckpt/step_XXXXXXX: weights, optimizers, RNGs, all a bitwise resume needs."""
+    first = next(iter(run.manifests.values()))
     state = {"step": run.step, "tokens_seen": run.tokens_seen, "skipped_steps": run.skipped_steps,
              "loader": run.loader.state_dict(), "world_size": run.accelerator.num_processes,
-             "data_sha256": data.fingerprint(run.manifest),
-             "tokenizer_sha256": run.manifest["tokenizer"]["sha256"],  # what export checks
+             "stages": run.stages, "tokenizer_sha256": first["tokenizer"]["sha256"],
              "config": dataclasses.asdict(run.cfg)}
+    # Never pruned: the checkpoints where a stage begins and where the decay leg begins, the
+    # branch points of anneals (WSD's point).
+    keep = {stage.start for stage in run.stages} | {optim.wsd_phases(run.cfg).decay_start}
     checkpoint.save(run.accelerator, run.accelerator.unwrap_model(run.model),
                     list(run.optimizers.named.values()), state, run.cfg.out_dir,
-                    run.cfg.keep_last_ckpts)
+                    run.cfg.keep_last_ckpts, keep)
 
 
 def resume(run: Run, candidates: list[Path]):
@@ -342,27 +374,42 @@ def load_checkpoint(run: Run, path: Path):
     """Restore weights, both optimizers, RNGs, the data cursor, the step and the counters,
     after checking that the checkpoint fits this run. The rank count may differ from the
     saving run's: DCP reshards, and the loader's cursor counts global windows. The knobs
-    this run was given win over the checkpoint's, except those that cannot change."""
+    this run was given win over the checkpoint's, except those that cannot change; data
+    stages may be added or edited only where they have not begun."""
     state = checkpoint.read_train_state(path)
-    fingerprint = data.fingerprint(run.manifest)  # the tokenizer and every shard
-    if state.get("data_sha256", fingerprint) != fingerprint:  # absent in older checkpoints
-        raise ValueError(f"{path} was trained on other data than {run.cfg.data_dir} (its "
-                         f"tokenizer or shards differ); resume with the original data, or "
-                         f"start a fresh --out_dir")
+    saved_stages = state.get("stages") or [[0, [[state["config"]["data_dir"], 1.0]]]]
+    for line in config.check_stages(saved_stages, run.stages, state["step"]):
+        run.accelerator.print(line)
     for name, old, new in config.resume_changes(run.cfg, state["config"]):
         run.accelerator.print(f"resume: {name} {old} → {new}")
-    run.loader.load_state_dict(state["loader"])  # refuses another data stream: before I/O
+    saved = loader_state(state)
+    run.loader.load_state_dict(saved)  # refuses changed sources: before any I/O
     checkpoint.load(run.accelerator, run.accelerator.unwrap_model(run.model),
                     list(run.optimizers.named.values()), path)
     run.step, run.tokens_seen = state["step"], state["tokens_seen"]
     run.skipped_steps = state.get("skipped_steps", 0)
+    run.new_sources = bool(set(run.loader.sources) - set(saved["consumed"]))
+
+
+def loader_state(state: dict) -> dict:
+    """The loader's state in a checkpoint; one written before mixtures (one source, one
+    cursor) becomes a mixture of one: its data_dir read `cursor` windows in stage 0."""
+    saved = state["loader"]
+    if "stage_start" in saved:
+        return saved
+    source = state["config"]["data_dir"]
+    fingerprints = {source: state["data_sha256"]} if "data_sha256" in state else {}
+    return {"seq_len": saved["seq_len"], "seed": saved["seed"], "stage_start": 0,
+            "cursor": saved["cursor"], "offsets": {source: 0},
+            "consumed": {source: saved["cursor"]}, "fingerprints": fingerprints}
 
 
 def sample_text(cfg: TrainConfig, accelerator, model) -> str:
     """A short completion of cfg.sample_prompt, as sample.py makes them. Every rank runs it
     (under FSDP each forward needs all ranks); the seed is fixed and the training RNG state
     is put back afterwards, so sampling never changes a resumed run."""
-    tokenizer = Tokenizer.from_file(data.tokenizer_path(cfg.data_dir))
+    first_source = config.parse_mixture(cfg.data_dir)[0][0]  # every source has its tokenizer
+    tokenizer = Tokenizer.from_file(data.tokenizer_path(first_source))
     with torch.random.fork_rng():  # every torch generator is put back on exit
         torch.manual_seed(cfg.seed)
         return sample.complete(accelerator.unwrap_model(model), tokenizer, cfg.sample_prompt,
@@ -382,7 +429,8 @@ def export(cfg: TrainConfig, given=frozenset()) -> Path:
                                 f"--resume=PATH to a checkpoint folder")
     state = checkpoint.read_train_state(ckpt)
     model_cfg = config.saved_model(state["config"], cfg, given)
-    data_dir = cfg.data_dir if "data_dir" in given else state["config"]["data_dir"]
+    spec = cfg.data_dir if "data_dir" in given else state["config"]["data_dir"]
+    data_dir = config.parse_mixture(spec)[0][0]  # a mixture's sources share one tokenizer
     out = checkpoint.export(ckpt, Transformer(model_cfg), dataclasses.asdict(model_cfg),
                             trained_tokenizer(ckpt, state, data_dir), cfg.out_dir)
     print(f"exported {ckpt} to {out}; try: python sample.py --export {out}")

@@ -102,7 +102,8 @@ def main(argv=None):
         # small steps 5-20x slower than a single thread.
         torch.set_num_threads(1)
     base, steps, warmup = base_config(args)
-    train.ensure_data(base, train.make_accelerator(base))  # prepares the corpus if missing
+    stages = [data.Stage(*stage) for stage in base.stages(None)]
+    train.ensure_data(base, stages, train.make_accelerator(base))  # prepares it if missing
     chosen = [v for v in VARIANTS if args.variants is None or v.name in args.variants]
     rows = []
     for variant in chosen:
@@ -206,7 +207,7 @@ def measure(variant: Variant, cfg, steps: int, warmup: int, dry_run: bool, t0: f
                                     seed=cfg.seed)
     run = train.Run(cfg=cfg, accelerator=accelerator, model=model, optimizers=optimizers,
                     loader=WithoutDocumentIds(loader) if variant.drop_seq_ids else loader,
-                    manifest={})
+                    stages=[], manifests={})
     try:
         with checkpoint.StopFlag() as stop:
             for step in range(warmup + steps):

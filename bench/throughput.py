@@ -78,7 +78,8 @@ def main():
             "total_steps": total, "stop_at_step": total, "warmup_steps": 1,
             "decay_fraction": 0.0, "log_every": args.warmup, "eval_every": 10**9,
             "ckpt_every": 10**9, "resume": "none", "sample_tokens": 1})
-        train.ensure_data(cfg, train.make_accelerator(cfg))
+        train.ensure_data(cfg, [data.Stage(*s) for s in cfg.stages(None)],
+                          train.make_accelerator(cfg))
         for round_ in range(args.rounds):
             bare.append(bare_tokens_per_s(cfg, args.steps, args.warmup))
             run_cfg = config.apply_overrides(cfg, {"out_dir": f"{out}/{round_}"})

@@ -25,7 +25,8 @@ def main(config_json: str, out_json: str):
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)
     model = Transformer(cfg.model)
-    metrics = train.evaluate(cfg, accelerator, model, data.token_bytes(cfg.data_dir))
+    metrics = train.evaluate(cfg, accelerator, model, data.token_bytes(cfg.data_dir),
+                             cfg.data_dir)
     if accelerator.is_main_process:
         with open(out_json, "w") as f:
             json.dump({**metrics, "world": accelerator.num_processes}, f)

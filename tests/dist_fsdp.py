@@ -56,7 +56,7 @@ def fsdp_config(data_dir: str, out_dir: str, **overrides):
                                               64 * 12, "stop_at_step": STEPS, **overrides})
 
 
-class MaskedLoader(data.PackedShardLoader):
+class MaskedLoader(data.MixtureLoader):
     """The real loader with each row's first (first input id mod seq_len) targets ignored
     (-100), as padding or prompt tokens would be: micro-batches then hold anywhere from 2 to
     128 targets, so a mean of per-micro-batch means weights tokens differently from the
@@ -95,9 +95,11 @@ def make_run(cfg, data_dir: str) -> train.Run:
     model = train.build_model(cfg, compile_model=False)
     model = train.shard_model(model, accelerator.device, bf16=False)
     optimizers = optim.build_optimizers(model, cfg)
-    loader = MaskedLoader(data_dir, "train", cfg.seq_len, cfg.micro_batch_size,
-                          accelerator.process_index, accelerator.num_processes, seed=cfg.seed)
-    return train.Run(cfg, accelerator, model, optimizers, loader, data.load_manifest(data_dir))
+    stages = [data.Stage(0, ((data_dir, 1.0),))]
+    loader = MaskedLoader(stages, cfg.seq_len, cfg.micro_batch_size, accelerator.process_index,
+                          accelerator.num_processes, seed=cfg.seed)
+    return train.Run(cfg, accelerator, model, optimizers, loader, stages,
+                     {data_dir: data.load_manifest(data_dir)})
 
 
 def train_steps(run: train.Run) -> list[dict]:

@@ -174,9 +174,10 @@ def test_uint32_shards_give_the_same_batches(prepared, tmp_path):
     (wide / "manifest.json").write_text(json.dumps(manifest))
     data.verify(wide)
     narrow_loader = PackedShardLoader(prepared, "train", T, 4)
-    wide_loader = PackedShardLoader(wide, "train", T, 4)
-    for _ in range(5):
-        narrow, wide_batch = next(narrow_loader), next(wide_loader)
+    wide_loader = PackedShardLoader(wide, "train", T, 4)  # other bytes: another shuffle
+    for first in range(0, 20, 4):
+        windows = np.arange(first, first + 4)
+        narrow, wide_batch = narrow_loader.batch(windows), wide_loader.batch(windows)
         assert all(torch.equal(narrow[k], wide_batch[k]) for k in narrow)
     assert data.token_dtype(65536) == np.uint16 and data.token_dtype(65537) == np.uint32
 
@@ -370,11 +371,14 @@ def test_fingerprint_names_the_prepared_data(prepared):
 
 
 def test_train_order_is_the_documented_permutation(prepared):
-    """Epoch e visits windows in default_rng([seed, e]).permutation order: saved cursors
-    mean the same windows only while this holds, so it is pinned against the plain reader."""
+    """Epoch e visits windows in default_rng([seed, e, *fingerprint]).permutation order, the
+    fingerprint's first 32 hex digits as four 32-bit words: saved cursors mean the same
+    windows only while this holds, so it is pinned against the plain reader."""
     tokens = stream(prepared, "train")
     loader = PackedShardLoader(prepared, "train", T, micro_batch_size=4, seed=11)
-    order = np.random.default_rng([11, 0]).permutation(loader.windows_per_epoch)
+    digits = data.fingerprint(data.load_manifest(prepared))[:32]
+    words = [int(digits[i:i + 8], 16) for i in (0, 8, 16, 24)]
+    order = np.random.default_rng([11, 0, *words]).permutation(loader.windows_per_epoch)
     for step in range(5):
         windows = order[step * 4:step * 4 + 4]
         expected = np.stack([tokens[w * T:w * T + T + 1] for w in windows])  # (B, T+1)

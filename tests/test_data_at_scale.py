@@ -76,25 +76,26 @@ def test_eval_tokens_below_the_split_evaluate_that_many_windows(prepared, tmp_pa
     assert want["windows"] == 7  # not a multiple of the micro-batch: one padded row
     torch.manual_seed(0)
     got = train.evaluate(cfg, train.Accelerator(cpu=True), Transformer(cfg.model),
-                         data.token_bytes(cfg.data_dir))
+                         data.token_bytes(cfg.data_dir), cfg.data_dir)
     assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-6)
 
 
 def test_a_plan_past_four_epochs_warns_once_and_max_epochs_refuses(small_data_dir, tmp_path):
     tokens = data.windows_per_epoch(data.load_manifest(small_data_dir), "train", 64) * 64
-    steps_for = lambda epochs: math.ceil(epochs * tokens / 512)  # noqa: E731
     cfg = micro_config(small_data_dir, str(tmp_path), total_steps=10**5, warmup_steps=1)
-    at_four = dataclasses.replace(cfg, stop_at_step=int(4 * tokens / 512))
-    past = dataclasses.replace(cfg, stop_at_step=steps_for(4) + 1)
-    assert config.check_epochs(at_four, tokens) is None  # exactly the edge: no word
-    warning = config.check_epochs(past, tokens)
-    assert warning.startswith(f"warning: this run reads {small_data_dir} 4.0 times")
-    assert "a mixture of corpora" in warning and "--max_epochs" in warning
-    assert "\n" not in warning
-    limited = dataclasses.replace(past, max_epochs=4.0)
+
+    def plan(stop_at_step, **overrides):
+        run = dataclasses.replace(cfg, stop_at_step=stop_at_step, **overrides)
+        return run, config.data_plan(run, run.stages(None), {small_data_dir: tokens})
+
+    assert config.check_epochs(*plan(4 * tokens // 512)) == []  # exactly the edge: no word
+    warnings = config.check_epochs(*plan(math.ceil(4 * tokens / 512) + 1))
+    assert len(warnings) == 1
+    assert warnings[0].startswith(f"warning: this run reads {small_data_dir} 4.0 times")
+    assert "a mixture of corpora" in warnings[0] and "--max_epochs" in warnings[0]
     with pytest.raises(ValueError, match=r"more than max_epochs=4; prepare a larger corpus"):
-        config.check_epochs(limited, tokens)
-    assert config.check_epochs(dataclasses.replace(at_four, max_epochs=4.0), tokens) is None
+        config.check_epochs(*plan(math.ceil(4 * tokens / 512) + 1, max_epochs=4.0))
+    assert config.check_epochs(*plan(4 * tokens // 512, max_epochs=4.0)) == []
     with pytest.raises(ValueError, match="max_epochs=0.0 must be a positive"):
         dataclasses.replace(cfg, max_epochs=0.0)
 
@@ -124,5 +125,5 @@ def test_many_epochs_in_one_interval_are_one_log_line(prepared, tmp_path, capsys
              if line.startswith("data: train")]
     begun = [(1024 * step - 1) // n for step in (2, 4)]  # the last epoch begun by then
     assert begun[0] >= 3 and begun[1] - begun[0] >= 3  # several per interval
-    assert lines == [f"data: train epochs 1–{begun[0]} began",
-                     f"data: train epochs {begun[0] + 1}–{begun[1]} began"]
+    assert lines == [f"data: train epochs 1–{begun[0]} of {prepared} began",
+                     f"data: train epochs {begun[0] + 1}–{begun[1]} of {prepared} began"]

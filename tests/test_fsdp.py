@@ -71,7 +71,7 @@ def reference(small_data_dir, tmp_path_factory):
                                 micro_batch_size=12)
     assert cfg.grad_accum_steps(1) == 1
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(data, "PackedShardLoader", dist_fsdp.MaskedLoader)
+        patch.setattr(data, "MixtureLoader", dist_fsdp.MaskedLoader)
         train.main(cfg)
     lines = (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()
     records = [r for r in map(json.loads, lines) if "loss" in r]

@@ -60,6 +60,27 @@ HOW = {
     "--out data/more": ("run", []),
     "python prepare.py --verify data/mycorpus": ("run", []),
     "python train.py --preset stack100m --data_dir=data/mycorpus": ("run", CPU_STAND_IN),
+    # The recipe: the downloads are skipped, and a local stand-in of each is prepared at the
+    # same path, so that the recipe's own training commands run as written.
+    "python prepare.py --source HuggingFaceTB/smollm-corpus --subset fineweb-edu-dedup "
+    "--max_tokens 17_000_000_000 --out data/fwe-dedup": (
+        "instead", "downloads; stand-in: python prepare.py --source corpus --out data/fwe-dedup"),
+    "python prepare.py --source HuggingFaceTB/smollm-corpus --subset cosmopedia-v2 "
+    "--max_tokens 3_000_000_000 --tokenizer data/fwe-dedup/tokenizer.json --out data/cosmo": (
+        "instead", "downloads; stand-in: python prepare.py --source docs.jsonl --text_field body "
+                   "--tokenizer data/fwe-dedup/tokenizer.json --out data/cosmo"),
+    "python prepare.py --source HuggingFaceTB/finemath --subset finemath-4plus "
+    "--max_tokens 2_000_000_000 --tokenizer data/fwe-dedup/tokenizer.json --out data/finemath": (
+        "instead", "downloads; stand-in: python prepare.py --source more.txt "
+                   "--tokenizer data/fwe-dedup/tokenizer.json --out data/finemath"),
+    "python train.py --preset stack100m --config configs/smollm_mixture.toml": (
+        "run", CPU_STAND_IN),
+    "python train.py --preset stack100m --config configs/smollm_mixture.toml "
+    "--stop_at_step=38147": ("run", CPU_STAND_IN + ["--stop_at_step=4"]),
+    "python train.py --preset stack100m --config configs/smollm_mixture.toml "
+    "--stop_at_step=38147 --anneal_data_dir=data/cosmo:1,data/finemath:1 "
+    "--resume=out/smollm/ckpt/step_0034332 --out_dir=out/anneal-b": (
+        "run", CPU_STAND_IN + ["--stop_at_step=4", "--resume=out/smollm/ckpt/step_0000002"]),
     "python train.py --preset tiny --export": ("run", []),
     'python sample.py --export out/tiny/export --prompt "def " --num_samples 2': (
         "run", ["--max_new_tokens=8"]),
@@ -108,7 +129,8 @@ def test_every_readme_command_runs_as_written(tmp_path):
     for command, (action, extra) in HOW.items():
         if action == "skip":
             continue
-        argv = shlex.split(command) + extra
+        argv = shlex.split(extra.split("stand-in: ")[1]) if action == "instead" \
+            else shlex.split(command) + extra
         if argv[0] == "python":
             argv[0] = sys.executable
         elif argv[:2] == ["accelerate", "launch"]:

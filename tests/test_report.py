@@ -71,7 +71,8 @@ def test_log_line_labels_each_learning_rate(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.stdout", printed)
     with report.MetricsLogger(cfg, True, torch.device("cpu"), 1, flops, start_step=0) as log:
         result = {"loss": 4.0, "ce": 3.99, "z": 0.01, "grad_norm": 0.5}
-        log.log_train(10, result, {"muon": 6e-3, "adamw": 3e-3}, 40960, 0, train_seconds=2.0)
+        log.log_train(10, result, {"muon": 6e-3, "adamw": 3e-3}, 40960, 0, train_seconds=2.0,
+                      tokens_read={})
     assert "| lr muon 6.00e-03 adamw 3.00e-03 |" in printed.getvalue()
     record = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert (record["lr_muon"], record["lr_adamw"]) == (6e-3, 3e-3)
@@ -87,7 +88,8 @@ def test_no_progress_bar_when_not_a_terminal(tmp_path, capsys):
                               start_step=0) as log:
         for step in (10, 20):
             log.log_train(step, {"loss": 1.0, "ce": 1.0, "z": 0.0, "grad_norm": 1.0},
-                          {"muon": 1e-3, "adamw": 1e-3}, step * 4096, 0, train_seconds=step)
+                          {"muon": 1e-3, "adamw": 1e-3}, step * 4096, 0, train_seconds=step,
+                          tokens_read={})
     out = capsys.readouterr()
     assert "\r" not in out.out + out.err
     assert out.out.count("step ") == 2

@@ -97,7 +97,7 @@ def test_resume_refuses_other_data(small_data_dir, tmp_path):
     manifest = json.loads((data_dir / "manifest.json").read_text())
     manifest["splits"]["val"]["shards"][0]["sha256"] = "0" * 64
     (data_dir / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ValueError, match="other data"):
+    with pytest.raises(ValueError, match=f"source {data_dir} changed since the checkpoint"):
         train.main(dataclasses.replace(cfg, stop_at_step=8))
 
 

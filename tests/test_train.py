@@ -132,17 +132,18 @@ def test_micro_batch_split_does_not_change_training(small_data_dir, tmp_path):
 
 
 def mask_targets_by_window(monkeypatch):
-    """Every batch the loaders make gets the first k of each row's 64 targets masked (-100),
-    k = 37·window mod 61, from 0 to 60: micro-batches then hold different numbers of
-    targets, and a window is masked alike however the global batch is split."""
-    original = data.PackedShardLoader.batch
+    """Every batch the loaders make (data.pack) gets the first k of each row's 64 targets
+    masked (-100), k = 37·(the row's first token) mod 61, from 0 to 60: micro-batches then
+    hold different numbers of targets, and a window is masked alike however the global
+    batch is split."""
+    original = data.pack
 
-    def batch(self, windows):
-        out = original(self, windows)
-        for row, window in enumerate(windows):
-            out["targets"][row, :int(window) * 37 % 61] = -100
+    def pack(tokens, eos_id):
+        out = original(tokens, eos_id)
+        for row, first in enumerate(tokens[:, 0]):
+            out["targets"][row, :int(first) * 37 % 61] = -100
         return out
-    monkeypatch.setattr(data.PackedShardLoader, "batch", batch)
+    monkeypatch.setattr(data, "pack", pack)
 
 
 def test_accumulation_normalises_by_the_global_target_count(small_data_dir, tmp_path,
@@ -515,7 +516,8 @@ def test_bits_per_byte_counts_the_decoded_bytes_of_the_targets(small_data_dir, t
     cfg = micro_config(small_data_dir, str(tmp_path), eval_tokens=10**9)
     torch.manual_seed(0)
     model = Transformer(cfg.model)
-    got = train.evaluate(cfg, Accelerator(cpu=True), model, data.token_bytes(cfg.data_dir))
+    got = train.evaluate(cfg, Accelerator(cpu=True), model, data.token_bytes(cfg.data_dir),
+                         cfg.data_dir)
     ref = independent_val_sums(cfg, model)
     assert got["val_bpb"] / got["val_loss"] == \
         pytest.approx(ref["targets"] / (math.log(2) * ref["bytes"]), rel=1e-9)
@@ -530,7 +532,8 @@ def test_val_loss_is_cross_entropy_without_the_z_loss(small_data_dir, tmp_path):
                        **{"model.z_loss": 0.1})
     torch.manual_seed(0)
     model = Transformer(cfg.model)
-    got = train.evaluate(cfg, Accelerator(cpu=True), model, data.token_bytes(cfg.data_dir))
+    got = train.evaluate(cfg, Accelerator(cpu=True), model, data.token_bytes(cfg.data_dir),
+                         cfg.data_dir)
     ref = independent_val_sums(cfg, model)
     assert cfg.model.z_loss * ref["lse2"] / ref["targets"] > 1.0  # z would show by > 1 nat
     assert got["val_loss"] == pytest.approx(ref["ce"] / ref["targets"], rel=1e-5)

@@ -1,0 +1,298 @@
+"""The recipe's data: weighted mixtures of prepared directories, in stages, exactly resumable
+on any number of ranks; the anneal handoff from a stable checkpoint; what a resume may and
+may not change; per-source validation and the run's data plan."""
+
+import dataclasses
+import json
+import shutil
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import config
+import data
+import prepare
+import sample
+import train
+from conftest import micro_config
+from test_errors import run_cli
+from test_train import checkpoint_weights, train_records
+
+T = 32
+
+
+@pytest.fixture(scope="module")
+def sources(small_data_dir, tmp_path_factory) -> list[str]:
+    """Three prepared directories with one tokenizer: small_data_dir and two more packages
+    of the standard library, encoded with small_data_dir's tokenizer."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    dirs = [small_data_dir]
+    for package in ("xml", "multiprocessing"):
+        text = tmp_path_factory.mktemp(f"{package}_text")
+        for path in sorted((stdlib / package).rglob("*.py")):
+            shutil.copy(path, text / f"{path.parent.name}_{path.stem}.txt")
+        out = tmp_path_factory.mktemp(package) / package
+        prepare.prepare(str(text), str(out), val_fraction=0.2,
+                        tokenizer=str(Path(small_data_dir) / "tokenizer.json"))
+        dirs.append(str(out))
+    return dirs
+
+
+# ---------------------------------------------------------------------------------------
+# The interleaving rule and the loader, against plain counting
+# ---------------------------------------------------------------------------------------
+
+def test_every_prefix_and_every_batch_holds_each_share(sources):
+    """For random weights: each source's count in every prefix of the stream is within one
+    window of prefix × share, and within two in every global batch; each source's windows
+    come in their own order (j = 0, 1, 2, ...); a stretch computed alone equals the same
+    stretch of a longer call."""
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        weights = rng.integers(1, 40, size=rng.integers(1, 6)).tolist()
+        source, index = data.interleave(weights, 0, 4000)
+        shares = np.array(weights) / sum(weights)
+        counts = np.stack([np.cumsum(source == i) for i in range(len(weights))], axis=1)
+        prefix = np.arange(1, 4001)[:, None]
+        assert np.abs(counts - prefix * shares).max() <= 1.0, weights
+        batch = int(rng.integers(1, 100))
+        for first in range(0, 4000 - batch, batch):
+            got = np.bincount(source[first:first + batch], minlength=len(weights))
+            assert np.abs(got - batch * shares).max() <= 2.0, (weights, batch)
+        for i in range(len(weights)):
+            assert np.array_equal(index[source == i], np.arange((source == i).sum()))
+        first, count = int(rng.integers(0, 3000)), int(rng.integers(1, 1000))
+        alone = data.interleave(weights, first, count)
+        assert np.array_equal(alone[0], source[first:first + count])
+        assert np.array_equal(alone[1], index[first:first + count])
+
+
+def test_weights_become_the_smallest_integers_in_the_same_ratio():
+    assert data.integer_weights([7, 2, 1]) == [7, 2, 1]
+    assert data.integer_weights([0.6, 0.3, 0.1]) == [6, 3, 1]
+    assert data.integer_weights([0.5, 0.5]) == [1, 1]
+    assert data.integer_weights([2 / 3, 1 / 3]) == [2, 1]
+
+
+def rows_of(batch) -> list[tuple]:
+    return [tuple(row) for row in batch["input_ids"].tolist()]
+
+
+def stream_rows(stages, world, steps, windows_per_step, state=None, first_step=0):
+    """Rows of `steps` optimizer steps of the mixture, every rank's rows in rank order, and
+    the state after them (equal on every rank)."""
+    B = windows_per_step // world
+    loaders = [data.MixtureLoader(stages, T, B, rank, world, seed=5) for rank in range(world)]
+    for loader in loaders:
+        if state is not None:
+            loader.load_state_dict(state)
+    rows = []
+    for step in range(first_step, first_step + steps):
+        for loader in loaders:
+            loader.set_step(step)
+        rows += [row for loader in loaders for row in rows_of(next(loader))]
+    states = {json.dumps(loader.state_dict(), sort_keys=True) for loader in loaders}
+    assert len(states) == 1  # one cursor for all ranks
+    return rows, loaders[0].state_dict()
+
+
+def test_resume_at_a_random_cursor_on_1_2_3_ranks_is_the_uninterrupted_stream(sources):
+    stages = [data.Stage(0, ((sources[0], 0.5), (sources[1], 0.3), (sources[2], 0.2))),
+              data.Stage(7, ((sources[2], 0.75), (sources[0], 0.25)))]
+    whole, _ = stream_rows(stages, 1, 12, 6)
+    rng = np.random.default_rng(1)
+    for world in (1, 2, 3):
+        cut = int(rng.integers(1, 11))
+        head, state = stream_rows(stages, 1, cut, 6)
+        tail, _ = stream_rows(stages, world, 12 - cut, 6, state, first_step=cut)
+        assert head + tail == whole, (world, cut)
+
+
+def test_a_source_continues_its_own_order_across_stages(sources):
+    """Each source's rows are its own shuffled stream (a plain PackedShardLoader's), in
+    order, whatever the other sources and stages: source 0 gives its windows 0.. in stage 0
+    and goes on from there in stage 1, never restarting."""
+    stages = [data.Stage(0, ((sources[0], 0.5), (sources[1], 0.5))),
+              data.Stage(3, ((sources[1], 0.25), (sources[0], 0.75)))]
+    rows, state = stream_rows(stages, 1, 6, 8)
+    alone = data.PackedShardLoader(sources[0], "train", T, 1, seed=5)
+    own = [rows_of(next(alone))[0] for _ in range(state["consumed"][sources[0]])]
+    mine = set(own)
+    assert [row for row in rows if row in mine] == own
+    # 3 steps of 8 windows at 1:1, then 3 at 3:1 (each stage's 24 windows split exactly)
+    assert state["consumed"] == {sources[0]: 12 + 18, sources[1]: 12 + 6}
+
+
+def test_a_sources_order_does_not_depend_on_its_place_in_the_list(sources):
+    a = data.MixtureLoader([data.Stage(0, ((sources[0], 0.5), (sources[1], 0.5)))], T, 8)
+    b = data.MixtureLoader([data.Stage(0, ((sources[1], 0.5), (sources[0], 0.5)))], T, 8)
+    rows_a, rows_b = rows_of(next(a)), rows_of(next(b))
+    assert sorted(rows_a) == sorted(rows_b) and rows_a != rows_b  # same windows, other slots
+
+
+# ---------------------------------------------------------------------------------------
+# Configuration: the mixture syntax, stages, refusals
+# ---------------------------------------------------------------------------------------
+
+def test_mixture_syntax_and_stages():
+    assert config.parse_mixture("a:7,b:2,c:1") == (("a", 0.7), ("b", 0.2), ("c", 0.1))
+    assert config.parse_mixture("data/x") == (("data/x", 1.0),)
+    cfg = dataclasses.replace(config.tiny(), data_dir="a:3,b:1", anneal_data_dir="p",
+                              data_stages=({"start": 100, "data_dir": "b"},))
+    assert cfg.stages(240) == [(0, (("a", 0.75), ("b", 0.25))), (100, (("b", 1.0),)),
+                               (240, (("p", 1.0),))]
+    for spec, message in [("a:0", "positive weight"), ("a:x", "positive weight"),
+                          ("a:1,a:2", "names a directory twice"), (":3", "DIR:WEIGHT")]:
+        with pytest.raises(ValueError, match=message):
+            config.parse_mixture(spec)
+    with pytest.raises(ValueError, match="anneal_data_dir and data_stages\\[0\\] both start "
+                                         "at step 240"):
+        dataclasses.replace(cfg, data_stages=({"start": 240, "data_dir": "b"},)).stages(240)
+    with pytest.raises(ValueError, match="holds start = STEP"):
+        dataclasses.replace(cfg, data_stages=({"start": "soon", "data_dir": "b"},))
+
+
+def test_a_toml_file_lists_stages(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('data_dir = "a:2,b:1"\n[[data_stages]]\nstart = 50\ndata_dir = "c"\n')
+    cfg, _ = config.parse_args(["--preset", "tiny", "--config", str(toml)])
+    assert cfg.stages(240) == [(0, (("a", 2 / 3), ("b", 1 / 3))), (50, (("c", 1.0),))]
+
+
+def test_sources_with_different_tokenizers_are_refused_naming_both(sources, prepared,
+                                                                   tmp_path, capsys):
+    cfg = micro_config(f"{sources[0]}:1,{prepared}:1", str(tmp_path))
+    err = run_cli(train_cli_args(cfg), capsys)
+    assert f"{sources[0]} and {prepared} were prepared with different tokenizers" in err
+
+
+def train_cli_args(cfg) -> list[str]:
+    from test_train import cli_args
+    return cli_args(cfg)
+
+
+# ---------------------------------------------------------------------------------------
+# The run: the handoff, what a resume may change, per-source validation, the plan
+# ---------------------------------------------------------------------------------------
+
+def tiny_run(data_dir: str, out_dir: str, **overrides) -> config.TrainConfig:
+    """The `tiny` preset, shortened to 20 steps whose decay leg begins at step 16, on the
+    test sources (their 512-token vocabulary fits tiny's 4,096)."""
+    cfg = config.apply_overrides(config.tiny(), {
+        "data_dir": data_dir, "out_dir": out_dir, "total_steps": 20, "stop_at_step": 20,
+        "warmup_steps": 2, "decay_fraction": 0.2, "log_every": 1, "eval_every": 10,
+        "eval_tokens": 2048, "ckpt_every": 8, "sample_tokens": 4, "compile_model": "false"})
+    return config.apply_overrides(cfg, overrides)
+
+
+def losses(cfg) -> list[tuple]:
+    return [(r["step"], r["loss"]) for r in train_records(cfg)]
+
+
+def test_the_handoff_trains_exactly_as_both_stages_from_the_start(sources, tmp_path):
+    """The stable run stops at decay_start; resumed with --anneal_data_dir and a later
+    stop, it trains bitwise as the run configured with both stages from the start. The
+    stable folder is never altered by an anneal branched from it into a new out_dir."""
+    stable_mix, anneal = f"{sources[0]}:3,{sources[1]}:1", sources[2]
+    both = tiny_run(stable_mix, str(tmp_path / "both"), anneal_data_dir=anneal)
+    train.main(both)
+
+    stable = tiny_run(stable_mix, str(tmp_path / "stable"), stop_at_step=16)
+    train.main(stable)
+    before = {p: p.stat().st_mtime_ns for p in Path(stable.out_dir).rglob("*")}
+    branch = dataclasses.replace(stable, out_dir=str(tmp_path / "branch"), stop_at_step=20,
+                                 anneal_data_dir=anneal,
+                                 resume=str(Path(stable.out_dir) / "ckpt" / "step_0000016"))
+    metrics = train.main(branch)
+    assert {p: p.stat().st_mtime_ns for p in Path(stable.out_dir).rglob("*")} == before
+    assert metrics["sample"].startswith(branch.sample_prompt)  # the end-of-run sample works
+    exported, _ = sample.load_export(str(train.export(dataclasses.replace(branch,
+                                                                          resume="auto"))))
+    assert exported.cfg == branch.model  # and so does the export, after a mixture and anneal
+    assert losses(branch) == [r for r in losses(both) if r[0] > 16]
+    assert checkpoint_weights_equal(both, branch, 20)
+
+    same_folder = dataclasses.replace(stable, stop_at_step=20, anneal_data_dir=anneal,
+                                      ckpt_every=2)  # keep_last_ckpts=2 would prune step 16
+    train.main(same_folder)  # continues in the stable run's own out_dir
+    assert losses(same_folder) == losses(both)
+    assert (Path(stable.out_dir) / "ckpt" / "step_0000016").is_dir()  # the branch point stays
+    # the anneal's source was evaluated at the resume step, before its first step
+    evals = [json.loads(line) for line in (Path(branch.out_dir) / "metrics.jsonl").open()
+             if "val_loss" in line]
+    assert evals[0]["step"] == 16 and f"val_loss/{anneal}" in evals[0]
+
+
+def checkpoint_weights_equal(a, b, step) -> bool:
+    wa, wb = checkpoint_weights(a, step), checkpoint_weights(b, step)
+    return wa.keys() == wb.keys() and all(bool((wa[k] == wb[k]).all()) for k in wa)
+
+
+def test_a_begun_stage_cannot_change_and_a_later_one_can(sources, tmp_path, capsys):
+    cfg = micro_config(f"{sources[0]}:1,{sources[1]}:1", str(tmp_path), stop_at_step=4,
+                       total_steps=8, decay_start=6)
+    train.main(cfg)
+    with pytest.raises(ValueError, match=f"the stage from step 0: {sources[0]}:0.5,"
+                                         f"{sources[1]}:0.5 → {sources[0]}:0.75,"
+                                         f"{sources[1]}:0.25: a stage that has begun"):
+        train.main(dataclasses.replace(cfg, data_dir=f"{sources[0]}:3,{sources[1]}:1",
+                                       stop_at_step=8))
+    with pytest.raises(ValueError, match="the stage from step 2: none → "):
+        train.main(dataclasses.replace(cfg, stop_at_step=8, data_stages=(
+            {"start": 2, "data_dir": sources[2]},)))
+    capsys.readouterr()
+    train.main(dataclasses.replace(cfg, stop_at_step=8, data_stages=(
+        {"start": 5, "data_dir": sources[2]},)))
+    assert f"resume: data stage from step 5 added: {sources[2]}:1" in capsys.readouterr().out
+
+
+def test_a_checkpoint_from_before_mixtures_resumes_as_a_mixture_of_one(small_data_dir,
+                                                                       tmp_path):
+    cfg = micro_config(small_data_dir, str(tmp_path), stop_at_step=4)
+    train.main(cfg)
+    state_path = Path(cfg.out_dir) / "ckpt" / "step_0000004" / "train_state.json"
+    state = json.loads(state_path.read_text())
+    manifest = data.load_manifest(small_data_dir)
+    state.pop("stages")
+    state["data_sha256"] = data.fingerprint(manifest)
+    state["loader"] = {"split": "train", "cursor": state["loader"]["cursor"], "seed": cfg.seed,
+                       "seq_len": cfg.seq_len, "windows_per_epoch": 1, "data_sha256": "x",
+                       "epoch": 0}
+    state_path.write_text(json.dumps(state))
+    train.main(dataclasses.replace(cfg, stop_at_step=8))
+    assert [r["step"] for r in train_records(cfg)] == list(range(1, 9))
+
+
+def test_each_source_is_validated_and_the_mixture_is_its_first_stage_mean(sources, tmp_path):
+    cfg = micro_config(f"{sources[0]}:3,{sources[1]}:1", str(tmp_path), stop_at_step=2,
+                       eval_every=2, anneal_data_dir=sources[2], total_steps=8)
+    metrics = train.main(cfg)
+    for source in sources:
+        assert f"val_loss/{source}" in metrics and f"val_bpb/{source}" in metrics
+    assert metrics["val_loss"] == pytest.approx(0.75 * metrics[f"val_loss/{sources[0]}"]
+                                                + 0.25 * metrics[f"val_loss/{sources[1]}"])
+    records = train_records(cfg)
+    seen = sum(v for k, v in records[-1].items() if k.startswith("tokens/"))
+    assert seen == records[-1]["tokens_seen"] == 2 * cfg.global_batch_tokens
+    share = records[-1][f"tokens/{sources[0]}"] / seen
+    assert abs(share - 0.75) <= 2 * cfg.seq_len / seen  # within two windows of its share
+
+
+def test_the_banner_plans_each_stage_and_warns_per_source(sources, tmp_path, capsys):
+    cfg = micro_config(f"{sources[0]}:3,{sources[1]}:1", str(tmp_path), stop_at_step=4,
+                       total_steps=4000, warmup_steps=2, decay_start=2000,
+                       anneal_data_dir=sources[2])
+    train.setup(dataclasses.replace(cfg, stop_at_step=4000))
+    out = capsys.readouterr().out
+    for source in sources:
+        assert f"data from step " in out and source in out
+    assert out.count("warning: this run reads") >= 1
+    tokens = {d: data.windows_per_epoch(data.load_manifest(d), "train", cfg.seq_len)
+              * cfg.seq_len for d in sources}
+    plan = config.data_plan(dataclasses.replace(cfg, stop_at_step=4000), cfg.stages(2000),
+                            tokens)
+    assert [(r["start"], r["source"], r["planned"]) for r in plan] == [
+        (0, sources[0], 2000 * 512 * 3 // 4), (0, sources[1], 2000 * 512 // 4),
+        (2000, sources[2], 2000 * 512)]
