@@ -4,9 +4,11 @@
         .metadata, __0_0.distcp, …    the model and both optimizers, a torch.distributed.checkpoint
                                       (DCP) folder: each rank writes its own shards (FSDP2), and a
                                       load reshards onto any rank count
-        train_state.json              step, tokens seen, the loader's cursor, the config, hashes
+        train_state.json              step, tokens seen, the loader's cursor, the config, hashes,
+                                      the code revision
         rng_rank<r>.pt                every random generator of rank r
-    out_dir/export/                   model.pt + config.json + tokenizer.json, for sample.py
+    out_dir/export/                   model.pt + config.json + tokenizer.json, for sample.py,
+                                      and provenance.json (checkpoint, step, code revision)
 
 A checkpoint is written into `step_XXXXXXX.tmp` and renamed when every rank is done, so a
 crash mid-write leaves the previous checkpoint as the newest complete one; only complete
@@ -258,9 +260,11 @@ def set_rng_state(state: dict):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def export(ckpt: Path, model, model_config: dict, tokenizer_file, out_dir) -> Path:
-    """out_dir/export/{model.pt, config.json, tokenizer.json} from checkpoint `ckpt`: one
-    consolidated file that sample.py loads, whatever the rank count that trained it.
+def export(ckpt: Path, model, model_config: dict, tokenizer_file, out_dir,
+           provenance: dict) -> Path:
+    """out_dir/export/{model.pt, config.json, tokenizer.json, provenance.json} from
+    checkpoint `ckpt`: one consolidated file that sample.py loads, whatever the rank count
+    that trained it, and where it came from (the checkpoint, its step, the code revisions).
     `model` is a freshly built model of the checkpoint's shape (`model_config`, read from
     its train_state.json), filled from the checkpoint; `tokenizer_file` the tokenizer it
     was trained with."""
@@ -273,6 +277,7 @@ def export(ckpt: Path, model, model_config: dict, tokenizer_file, out_dir) -> Pa
     tmp.mkdir(parents=True)
     torch.save(sd["model"], tmp / "model.pt")
     (tmp / "config.json").write_text(json.dumps(model_config, indent=1))
+    (tmp / "provenance.json").write_text(json.dumps(provenance, indent=1))
     shutil.copy(tokenizer_file, tmp / "tokenizer.json")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

@@ -581,10 +581,16 @@ def parse_args(argv: list[str] | None = None, default_preset: str = "stack100m")
                              f"see --help") from None
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"--config {args.config}: {e}") from None
-    for item in rest:
+    items = iter(rest)
+    for item in items:  # --key=value or --key value, as argparse reads prepare.py's flags
         key, eq, value = item.removeprefix("--").partition("=")
-        if not item.startswith("--") or not eq:
-            raise ValueError(f"cannot read {item!r}: write overrides as --key=value")
+        if item.startswith("--") and not eq:
+            value = next(items, None)
+            if value is None or value.startswith("--"):
+                raise ValueError(f"{item} has no value: write --{key}=VALUE or --{key} VALUE")
+        elif not item.startswith("--"):
+            raise ValueError(f"cannot read {item!r}: write overrides as --key=value or "
+                             f"--key value")
         overrides[key.replace("-", "_")] = value
     args.given = frozenset(overrides)  # the knobs this command line (or TOML) set itself
     return apply_overrides(cfg, overrides), args

@@ -114,7 +114,7 @@ class PackedShardLoader:
         self.windows_per_epoch = windows_per_epoch(self.manifest, split, seq_len)
         if self.windows_per_epoch < 1:
             fix = ("prepare it again with a larger --val_fraction (e.g. `python prepare.py "
-                   "--source YOUR_CORPUS --val_fraction 0.05 --out NEW_DIR`)" if split == "val"
+                   "--source YOUR_CORPUS --val_fraction 0.05 --data_dir NEW_DIR`)" if split == "val"
                    else "prepare a larger corpus")
             raise ValueError(f"split {split!r} of {data_dir} has {sum(sizes):,} tokens, too "
                              f"few for one window of seq_len={seq_len} (it needs seq_len+1); "
@@ -586,6 +586,6 @@ def _prepare_hint(data_dir) -> str:
     """The command that (re)creates data_dir, for error messages."""
     builtin = re.fullmatch(r"stdlib-(\d+)k", Path(data_dir).name)
     if builtin:
-        return f"python prepare.py --vocab_size {int(builtin[1]) * 1024} --out {data_dir}"
-    return f"python prepare.py --source YOUR_CORPUS --out {data_dir}"
+        return f"python prepare.py --vocab_size {int(builtin[1]) * 1024} --data_dir {data_dir}"
+    return f"python prepare.py --source YOUR_CORPUS --data_dir {data_dir}"
 

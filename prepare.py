@@ -1,12 +1,12 @@
 """Prepare: corpus -> byte-level BPE tokenizer -> packed token shards, once, offline.
 
     python prepare.py                                  # the built-in corpus -> data/stdlib-32k
-    python prepare.py --source "corpus/*.txt" --out data/mycorpus
+    python prepare.py --source "corpus/*.txt" --data_dir data/mycorpus
     python prepare.py --source HuggingFaceFW/fineweb-edu --subset sample-10BT \
-        --max_tokens 2_000_000_000 --out data/fwe      # a bounded slice of a streamed dataset
+        --max_tokens 2_000_000_000 --data_dir data/fwe # a bounded slice of a streamed dataset
     python prepare.py --verify data/mycorpus           # sha256 of every shard and the tokenizer
 
-A bad argument (a missing --source, an --out that is a file, a --verify directory that was
+A bad argument (a missing --source, a --data_dir that is a file, a --verify directory that was
 never prepared) is one line on stderr and exit status 2; --debug shows the traceback.
 
 It writes the format data.py reads, into one directory per corpus:
@@ -85,7 +85,7 @@ def prepare(source=None, out_dir=None, vocab_size=32768, tokenizer=None, text_fi
     training sample."""
     start = time.time()
     if source is not None and out_dir is None:
-        raise ValueError("prepare: with a --source, also pass --out DIR (the default "
+        raise ValueError("prepare: with a --source, also pass --data_dir DIR (the default "
                          "directory names the built-in corpus)")
     out_dir = Path(out_dir or builtin_data_dir(vocab_size))
     check_numbers(vocab_size, shard_tokens, val_fraction, max_tokens, tokenizer_chars)
@@ -203,18 +203,19 @@ def check_out_dir(out_dir: Path, source_dir: Path | None):
     for path in (out_dir, *out_dir.parents):
         if path.exists():
             if not path.is_dir():
-                raise NotADirectoryError(f"--out {out_dir}: {path} is a file, not a directory; "
-                                         f"pass a directory path (created if missing)")
+                raise NotADirectoryError(f"--data_dir {out_dir}: {path} is a file, not a "
+                                         f"directory; pass a directory path (created if "
+                                         f"missing)")
             break
     if source_dir and out_dir.resolve().is_relative_to(source_dir.resolve()):
-        raise ValueError(f"--out {out_dir} is, or lies inside, the source folder {source_dir}: its "
-                         f"shards and tokenizer would become part of the corpus on a rerun; "
-                         f"pass an --out outside {source_dir}")
+        raise ValueError(f"--data_dir {out_dir} is, or lies inside, the source folder "
+                         f"{source_dir}: its shards and tokenizer would become part of the "
+                         f"corpus on a rerun; pass a --data_dir outside {source_dir}")
     if out_dir.is_dir() and any(out_dir.iterdir()):
         what = ("a prepared dataset (manifest.json)" if (out_dir / MANIFEST).exists()
                 else "files")
-        raise ValueError(f"--out {out_dir} already holds {what}; nothing was changed. Pass a "
-                         f"new --out, or delete {out_dir} first to prepare it again")
+        raise ValueError(f"--data_dir {out_dir} already holds {what}; nothing was changed. Pass a "
+                         f"new --data_dir, or delete {out_dir} first to prepare it again")
 
 
 def print_summary(out_dir, manifest: dict, tokenizer_s: float, total_s: float):
@@ -550,8 +551,10 @@ def main(argv=None):
     parser.add_argument("--source", help="a directory of text files, a file (.txt, .jsonl or "
                         "other text), a quoted glob, or a Hugging Face dataset name or "
                         "save_to_disk directory (needs `datasets`); default: built-in corpus")
-    parser.add_argument("--out", help="output directory (default for the built-in corpus: "
-                        "data/stdlib-<vocab_size/1024>k)")
+    parser.add_argument("--data_dir", "--out", dest="out", metavar="DIR",
+                        help="the directory to prepare, train.py's --data_dir (--out is the same "
+                             "flag; default for the built-in corpus: "
+                             "data/stdlib-<vocab_size/1024>k)")
     parser.add_argument("--vocab_size", type=int, default=32768,
                         help="BPE vocabulary size to train, including EOS (default 32768)")
     parser.add_argument("--tokenizer", help="reuse this tokenizer.json instead of training one, "

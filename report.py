@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,21 @@ PEAK_FLOPS = {
     "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "GH200": 989e12,
     "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "RTX 4090": 165e12,
 }
+
+
+def code_revision(root=Path(__file__).resolve().parent) -> str:
+    """The git commit of the code that runs, `-dirty` appended if tracked files changed
+    since; "unknown" outside a git checkout of its own (a copied tree) or without git."""
+    def git(*args) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+    try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != Path(root).resolve():
+            return "unknown"  # a copy that sits inside some other repository
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return git("rev-parse", "HEAD") + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def peak_flops(device_name: str) -> float | None:
@@ -81,7 +97,7 @@ class Hardware:
 
 
 def banner(cfg, hardware: Hardware, n_params: int, n_muon: int, optimizers: str,
-           schedule: str, flops: dict[str, float], plan: list[dict]) -> str:
+           schedule: str, flops: dict[str, float], plan: list[dict], revision: str) -> str:
     """Everything a practitioner checks before trusting a run, with units.
 
     `optimizers` and `schedule` are the one-line summaries optim.py makes; `flops` holds
@@ -101,6 +117,7 @@ def banner(cfg, hardware: Hardware, n_params: int, n_muon: int, optimizers: str,
         f"hardware: {hardware.world} × {hardware.device} ({hardware.distributed}), "
         f"precision {hardware.precision}, compile {hardware.compiled}, activation "
         f"recompute {cfg.activation_recompute}",
+        f"code: {revision}",
         "memory estimate per rank: " + " + ".join(
             f"{k} {v:.2f}" for k, v in budget.items() if k != "total")
         + f" = {budget['total']:.2f} GiB (the log's mem column is the measured peak)",

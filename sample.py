@@ -22,6 +22,8 @@ from data import EOS_TOKEN
 from model import Transformer
 
 EXPORT_FILES = ("model.pt", "config.json", "tokenizer.json")
+# Sampling defaults, shared with train.py's end-of-run sample so that both read alike.
+TEMPERATURE, TOP_K = 0.8, 50
 
 
 def load_export(export_dir: str, device: str = "cpu") -> tuple[Transformer, Tokenizer]:
@@ -95,15 +97,20 @@ def complete(model, tokenizer, prompt: str, max_new_tokens: int, temperature: fl
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Sample completions from an exported model.")
+    parser = argparse.ArgumentParser(description="Sample completions from an exported model.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--export", required=True, help="directory written by train.py --export")
     parser.add_argument("--prompt", default="\n", help="text to complete")
-    parser.add_argument("--max_new_tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top_k", type=int, default=200, help="0 = no top-k filter")
-    parser.add_argument("--num_samples", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=1337)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--max_new_tokens", type=int, default=128,
+                        help="tokens generated after the prompt")
+    parser.add_argument("--temperature", type=float, default=TEMPERATURE, help="0 = greedy")
+    parser.add_argument("--top_k", type=int, default=TOP_K,
+                        help="sample among the k likeliest tokens, as the end-of-run sample "
+                             "does; 0 = no top-k filter")
+    parser.add_argument("--num_samples", type=int, default=3, help="completions to print")
+    parser.add_argument("--seed", type=int, default=1337, help="seeds the sampling")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the model runs")
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error, not just its message")
     args = parser.parse_args(argv)

@@ -324,7 +324,8 @@ def banner(cfg: TrainConfig, accelerator, model, optimizers, plan, compiled) -> 
     n_muon = sum(p.numel() for g in muon.param_groups for p in g["params"]) if muon else 0
     n_params = sum(p.numel() for p in model.parameters())
     return report.banner(cfg, hardware, n_params, n_muon, optimizers.summary(),
-                         optim.schedule_summary(cfg), model_flops(cfg), plan)
+                         optim.schedule_summary(cfg), model_flops(cfg), plan,
+                         report.code_revision())
 
 
 def model_flops(cfg: TrainConfig) -> dict[str, float]:  # FLOP/token in both conventions
@@ -343,6 +344,7 @@ def save_checkpoint(run: Run):
     state = {"step": run.step, "tokens_seen": run.tokens_seen, "skipped_steps": run.skipped_steps,
              "loader": run.loader.state_dict(), "world_size": run.accelerator.num_processes,
              "stages": run.stages, "tokenizer_sha256": first["tokenizer"]["sha256"],
+             "revision": report.code_revision(),  # the code that trained it
              "config": dataclasses.asdict(run.cfg)}
     # Never pruned: the checkpoints where a stage begins and where the decay leg begins, the
     # branch points of anneals (WSD's point).
@@ -413,7 +415,7 @@ def sample_text(cfg: TrainConfig, accelerator, model) -> str:
     with torch.random.fork_rng():  # every torch generator is put back on exit
         torch.manual_seed(cfg.seed)
         return sample.complete(accelerator.unwrap_model(model), tokenizer, cfg.sample_prompt,
-                               cfg.sample_tokens, temperature=0.8, top_k=50)
+                               cfg.sample_tokens, sample.TEMPERATURE, sample.TOP_K)
 
 
 def export(cfg: TrainConfig, given=frozenset()) -> Path:
@@ -431,8 +433,11 @@ def export(cfg: TrainConfig, given=frozenset()) -> Path:
     model_cfg = config.saved_model(state["config"], cfg, given)
     spec = cfg.data_dir if "data_dir" in given else state["config"]["data_dir"]
     data_dir = config.parse_mixture(spec)[0][0]  # a mixture's sources share one tokenizer
+    provenance = {"checkpoint": str(ckpt), "step": state["step"],
+                  "trained_by": state.get("revision", "unknown"),
+                  "exported_by": report.code_revision()}
     out = checkpoint.export(ckpt, Transformer(model_cfg), dataclasses.asdict(model_cfg),
-                            trained_tokenizer(ckpt, state, data_dir), cfg.out_dir)
+                            trained_tokenizer(ckpt, state, data_dir), cfg.out_dir, provenance)
     print(f"exported {ckpt} to {out}; try: python sample.py --export {out}")
     return out
 

@@ -63,8 +63,22 @@ def test_unknown_key_suggests_the_closest_name():
         parse_args(["--model.n_kv_head=1"])
     with pytest.raises(ValueError, match="expected int"):
         parse_args(["--warmup_steps=lots"])
-    with pytest.raises(ValueError, match="write overrides as --key=value"):
-        parse_args(["--warmup_steps", "3"])
+    with pytest.raises(ValueError, match="write overrides as --key=value or --key value"):
+        parse_args(["3"])
+    with pytest.raises(ValueError, match="--warmup_steps has no value"):
+        parse_args(["--warmup_steps"])
+    with pytest.raises(ValueError, match="--warmup_steps has no value"):
+        parse_args(["--warmup_steps", "--seed=3"])
+
+
+def test_both_flag_forms_mean_the_same():
+    """`--key value` (argparse's form, which prepare.py and sample.py take) and
+    `--key=value` give the same config, negative numbers and spaces included."""
+    spaced, _ = parse_args(["--preset", "tiny", "--warmup_steps", "7", "--model.n_layers", "2",
+                            "--sample_prompt", "def f(x):", "--final_frac", "-0"])
+    joined, _ = parse_args(["--preset=tiny", "--warmup_steps=7", "--model.n_layers=2",
+                            "--sample_prompt=def f(x):", "--final_frac=-0"])
+    assert spaced == joined and spaced.warmup_steps == 7 and spaced.sample_prompt == "def f(x):"
 
 
 def test_toml_then_cli_precedence(tmp_path):

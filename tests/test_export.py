@@ -139,3 +139,32 @@ def test_a_damaged_checkpoint_is_one_line(trained, capsys, damage):
         path.write_bytes(path.read_bytes()[:100])  # truncated
     err = run_cli(["--preset", "tiny", f"--out_dir={trained.out_dir}", "--export"], capsys)
     assert err.startswith(f"error: {step8}")
+
+
+def test_the_revision_is_recorded_in_the_checkpoint_the_banner_and_the_export(trained,
+                                                                              capsys):
+    """In this git checkout, the revision is HEAD's sha (with -dirty for uncommitted
+    changes), read independently here with git itself."""
+    import subprocess
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    dirty = git("status", "--porcelain", "--untracked-files=no") != ""
+    revision = train.report.code_revision()
+    assert revision == git("rev-parse", "HEAD") + ("-dirty" if dirty else "")
+    state = json.loads((Path(trained.out_dir) / "ckpt" / "step_0000008" /
+                        "train_state.json").read_text())
+    assert state["revision"] == revision
+    train.cli(["--preset", "tiny", f"--out_dir={trained.out_dir}", "--export"])
+    provenance = json.loads((Path(trained.out_dir) / "export" / "provenance.json").read_text())
+    assert provenance == {"checkpoint": str(Path(trained.out_dir) / "ckpt" / "step_0000008"),
+                          "step": 8, "trained_by": revision, "exported_by": revision}
+
+
+def test_outside_a_git_checkout_the_revision_is_unknown(tmp_path):
+    copy = tmp_path / "copied"
+    copy.mkdir()
+    shutil.copy(REPO / "report.py", copy)
+    assert train.report.code_revision(copy) == "unknown"
+    nested = REPO / "tests" / "__pycache__"  # inside this repository, but not its top
+    assert train.report.code_revision(nested if nested.is_dir() else REPO / "tests") == "unknown"

@@ -100,7 +100,7 @@ def test_a_rerun_never_touches_a_prepared_directory_or_the_source(prepared, corp
     is refused before any work, and leaves every file as it was."""
     out = copy_of(prepared, tmp_path)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    with pytest.raises(ValueError, match=f"--out {out} already holds a prepared dataset "
+    with pytest.raises(ValueError, match=f"--data_dir {out} already holds a prepared dataset "
                                          r"\(manifest.json\); nothing was changed"):
         prepare.prepare(str(corpus[0]), str(out), vocab_size=300)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -263,7 +263,7 @@ def test_cli_prepares_a_directory(corpus, tmp_path):
     manifest = data.load_manifest(out)
     assert manifest["vocab_size"] <= 300 and manifest["splits"]["val"]["documents"] == 0
     assert all(s["tokens"] <= 500 for s in manifest["splits"]["train"]["shards"])
-    with pytest.raises(ValueError, match="also pass --out"):
+    with pytest.raises(ValueError, match="also pass --data_dir"):
         prepare.prepare(str(corpus[0]))
 
 
@@ -306,7 +306,7 @@ def test_cli_bad_arguments_are_one_line_each(corpus, tmp_path):
     a_file = tmp_path / "taken"
     a_file.write_text("not a directory")
     result = run_prepare("--source", str(corpus[0]), "--out", str(a_file), cwd=tmp_path)
-    assert_one_line_error(result, f"--out {a_file}: {a_file} is a file, not a directory")
+    assert_one_line_error(result, f"--data_dir {a_file}: {a_file} is a file, not a directory")
     result = run_prepare("--source", str(corpus[0]), "--out", str(a_file / "sub"), cwd=tmp_path)
     assert_one_line_error(result, f"{a_file} is a file")
     missing = tmp_path / "nowhere" / "corpus"
@@ -409,3 +409,11 @@ def test_hugging_face_subset_and_split_are_passed_through(tmp_path, monkeypatch)
                   "--val_fraction", "0", "--max_tokens", "1_000"])
     assert fake.calls == [("load_dataset", "someone/corpus", "sample-10BT", "validation", True)] * 3
     assert data.load_manifest(tmp_path / "hub")["subset"] == "sample-10BT"
+
+
+def test_data_dir_names_the_output_and_out_is_its_alias(corpus, tmp_path):
+    """prepare.py's output is the folder train.py calls --data_dir; --out still works."""
+    for flag in ("--data_dir", "--out"):
+        prepare.main(["--source", str(corpus[0]), flag, str(tmp_path / flag[2:]),
+                      "--vocab_size", "300", "--val_fraction", "0.2"])
+        assert data.load_manifest(tmp_path / flag[2:])["vocab_size"] <= 300

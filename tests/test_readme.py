@@ -45,34 +45,36 @@ HOW = {
     "sbatch --nodes=N accelerate_configs/slurm_fsdp2.sh": ("skip", "needs SLURM and GPUs"),
     "accelerate launch --config_file accelerate_configs/cpu_ddp.yaml train.py --preset tiny "
     "--micro_batch_size=8": ("run", FEW_STEPS),
-    'python prepare.py --source "corpus/*.txt" --out data/mycorpus': ("run", []),
-    "python prepare.py --source docs.jsonl --text_field body --out data/docs": ("run", []),
+    'python prepare.py --source "corpus/*.txt" --data_dir data/mycorpus': ("run", []),
+    "python prepare.py --source docs.jsonl --text_field body --data_dir data/docs": ("run", []),
     "python prepare.py --source HuggingFaceFW/fineweb-edu --subset sample-100BT "
-    "--max_tokens 20_000_000_000 --out data/fwe": (
+    "--max_tokens 20_000_000_000 --data_dir data/fwe": (
         "skip", "downloads a Hugging Face dataset; the datasets path (subset, split, "
                 "max_tokens) is tested with a stand-in module in tests/test_prepare.py"),
     "python prepare.py --source HuggingFaceTB/smollm-corpus --subset fineweb-edu-dedup "
-    "--max_tokens 20_000_000_000 --out data/fwe-dedup": (
+    "--max_tokens 20_000_000_000 --data_dir data/fwe-dedup": (
         "skip", "downloads a Hugging Face dataset, as the command above"),
     "python train.py --preset stack100m --data_dir=data/fwe": (
         "skip", "trains on the download above; the same command runs on data/mycorpus below"),
     "python prepare.py --source more.txt --tokenizer data/mycorpus/tokenizer.json "
-    "--out data/more": ("run", []),
+    "--data_dir data/more": ("run", []),
     "python prepare.py --verify data/mycorpus": ("run", []),
     "python train.py --preset stack100m --data_dir=data/mycorpus": ("run", CPU_STAND_IN),
     # The recipe: the downloads are skipped, and a local stand-in of each is prepared at the
     # same path, so that the recipe's own training commands run as written.
     "python prepare.py --source HuggingFaceTB/smollm-corpus --subset fineweb-edu-dedup "
-    "--max_tokens 17_000_000_000 --out data/fwe-dedup": (
-        "instead", "downloads; stand-in: python prepare.py --source corpus --out data/fwe-dedup"),
+    "--max_tokens 17_000_000_000 --data_dir data/fwe-dedup": (
+        "instead", "downloads; stand-in: python prepare.py --source corpus "
+                   "--data_dir data/fwe-dedup"),
     "python prepare.py --source HuggingFaceTB/smollm-corpus --subset cosmopedia-v2 "
-    "--max_tokens 3_000_000_000 --tokenizer data/fwe-dedup/tokenizer.json --out data/cosmo": (
+    "--max_tokens 3_000_000_000 --tokenizer data/fwe-dedup/tokenizer.json --data_dir data/cosmo": (
         "instead", "downloads; stand-in: python prepare.py --source docs.jsonl --text_field body "
-                   "--tokenizer data/fwe-dedup/tokenizer.json --out data/cosmo"),
+                   "--tokenizer data/fwe-dedup/tokenizer.json --data_dir data/cosmo"),
     "python prepare.py --source HuggingFaceTB/finemath --subset finemath-4plus "
-    "--max_tokens 2_000_000_000 --tokenizer data/fwe-dedup/tokenizer.json --out data/finemath": (
+    "--max_tokens 2_000_000_000 --tokenizer data/fwe-dedup/tokenizer.json "
+    "--data_dir data/finemath": (
         "instead", "downloads; stand-in: python prepare.py --source more.txt "
-                   "--tokenizer data/fwe-dedup/tokenizer.json --out data/finemath"),
+                   "--tokenizer data/fwe-dedup/tokenizer.json --data_dir data/finemath"),
     "python train.py --preset stack100m --config configs/smollm_mixture.toml": (
         "run", CPU_STAND_IN),
     "python train.py --preset stack100m --config configs/smollm_mixture.toml "

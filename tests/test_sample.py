@@ -151,3 +151,14 @@ def test_a_pickle_that_runs_code_is_refused_unrun(export, tmp_path, writer):
             sample.load_export(str(bad))
         assert not marker.exists()
         assert str(bad / "model.pt") in str(refused.value)
+
+
+def test_help_describes_every_option_with_its_default(capsys):
+    with pytest.raises(SystemExit):
+        sample.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for option in ("--max_new_tokens", "--num_samples", "--seed", "--device", "--top_k",
+                   "--temperature", "--prompt"):
+        described = text.split(option)[-1].split("--")[0]
+        assert "(default:" in described and len(described.split()) > 3, option
+    assert "(default: 50)" in text.split("--top_k")[-1]  # as the end-of-run sample
