@@ -268,20 +268,27 @@ def export(ckpt: Path, model, model_config: dict, tokenizer_file, out_dir,
     `model` is a freshly built model of the checkpoint's shape (`model_config`, read from
     its train_state.json), filled from the checkpoint; `tokenizer_file` the tokenizer it
     was trained with."""
-    sd = {"model": model.state_dict()}
-    with reading(ckpt):
-        read_dcp(sd, ckpt)  # reads only the model part
+    weights = read_model(ckpt, model)
     out = Path(out_dir) / "export"
     tmp = out.with_name("export.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    torch.save(sd["model"], tmp / "model.pt")
+    torch.save(weights, tmp / "model.pt")
     (tmp / "config.json").write_text(json.dumps(model_config, indent=1))
     (tmp / "provenance.json").write_text(json.dumps(provenance, indent=1))
     shutil.copy(tokenizer_file, tmp / "tokenizer.json")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def read_model(ckpt: Path, model) -> dict:
+    """The model weights of checkpoint `ckpt`, read into `model`'s state dict (a freshly
+    built model of the checkpoint's shape), whatever the rank count that wrote them."""
+    sd = {"model": model.state_dict()}
+    with reading(ckpt):
+        read_dcp(sd, ckpt)  # reads only the model part
+    return sd["model"]
 
 
 class StopFlag:

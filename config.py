@@ -566,6 +566,9 @@ def parse_args(argv: list[str] | None = None, default_preset: str = "stack100m")
                         help="write out_dir/export/ from the checkpoint --resume names (auto: "
                              "the newest), with that checkpoint's own model shape and "
                              "tokenizer, and exit")
+    parser.add_argument("--format", choices=("stacklm", "hf"), default="stacklm",
+                        help="with --export: stacklm writes out_dir/export/ for sample.py; hf "
+                             "writes out_dir/export-hf/, a Hugging Face transformers folder")
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error, not just its message")
     args, rest = parser.parse_known_args(argv)

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 import checkpoint
 import config
 import data
+import hf_export
 import optim
 import prepare
 import report
@@ -418,7 +419,7 @@ def sample_text(cfg: TrainConfig, accelerator, model) -> str:
                                cfg.sample_tokens, sample.TEMPERATURE, sample.TOP_K)
 
 
-def export(cfg: TrainConfig, given=frozenset()) -> Path:
+def export(cfg: TrainConfig, given=frozenset(), fmt: str = "stacklm") -> Path:
     """out_dir/export/ from the checkpoint cfg.resume names (auto: the newest), for
     sample.py. The model's shape and the tokenizer are the checkpoint's own, never this
     command line's: a model knob in `given` (the knobs the command line set) that differs
@@ -436,8 +437,17 @@ def export(cfg: TrainConfig, given=frozenset()) -> Path:
     provenance = {"checkpoint": str(ckpt), "step": state["step"],
                   "trained_by": state.get("revision", "unknown"),
                   "exported_by": report.code_revision()}
+    tokenizer = trained_tokenizer(ckpt, state, data_dir)
+    if fmt == "hf":  # a transformers folder (hf_export.py says which class reads it)
+        weights = checkpoint.read_model(ckpt, Transformer(model_cfg))
+        out = hf_export.write(Path(cfg.out_dir) / "export-hf", weights, model_cfg, tokenizer,
+                              data.load_manifest(data_dir)["eos_id"], provenance["trained_by"])
+        print(f"exported {ckpt} to {out} as {hf_export.architecture(model_cfg)}; load it with "
+              f"transformers' AutoModelForCausalLM.from_pretrained({str(out)!r}"
+              f"{', trust_remote_code=True' if hf_export.needs_remote_code(model_cfg) else ''})")
+        return out
     out = checkpoint.export(ckpt, Transformer(model_cfg), dataclasses.asdict(model_cfg),
-                            trained_tokenizer(ckpt, state, data_dir), cfg.out_dir, provenance)
+                            tokenizer, cfg.out_dir, provenance)
     print(f"exported {ckpt} to {out}; try: python sample.py --export {out}")
     return out
 
@@ -495,7 +505,7 @@ def cli(argv=None):
             print("no CUDA GPU found: running the `tiny` preset on the CPU "
                   "(pass --preset stack100m to insist)")
         if args.export:
-            export(cfg, args.given)
+            export(cfg, args.given, args.format)
         else:
             main(cfg)
 

@@ -84,6 +84,11 @@ HOW = {
     "--resume=out/smollm/ckpt/step_0034332 --out_dir=out/anneal-b": (
         "run", CPU_STAND_IN + ["--stop_at_step=4", "--resume=out/smollm/ckpt/step_0000002"]),
     "python train.py --preset tiny --export": ("run", []),
+    "python train.py --preset tiny --export --format=hf": ("run", []),
+    "lm_eval --model hf --model_args pretrained=out/tiny/export-hf,trust_remote_code=True "
+    "--tasks hellaswag,arc_easy,piqa --batch_size 32": (
+        "skip", "lm-evaluation-harness downloads its tasks; the folder it loads is tested "
+                "against transformers in tests/test_hf_export.py"),
     'python sample.py --export out/tiny/export --prompt "def " --num_samples 2': (
         "run", ["--max_new_tokens=8"]),
 }

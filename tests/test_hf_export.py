@@ -1,0 +1,130 @@
+"""The transformers export, checked against transformers itself (a test-only dependency,
+pinned in requirements-dev.txt): fp32 logits equal to 1e-5 on every shape, with perturbed
+norm gains and rope_theta 500,000 (transformers' default and Stack-100M's is 10,000, where a
+missing rope_theta would go unseen); greedy generation; no missing or unexpected keys; the
+tokenizer's ids. Two wrong exports must fail the same logit check."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+import hf_export
+import train
+from config import StackConfig
+from conftest import micro_config
+from model import KVCache, Transformer
+from test_train import checkpoint_weights
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+TOLERANCE = 1e-5  # fp32; measured differences are ~4e-7
+SHAPES = {  # (qk_norm, nope_every) -> the class that must read it
+    (True, 0): "Qwen3ForCausalLM", (False, 2): "SmolLM3ForCausalLM",
+    (False, 0): "SmolLM3ForCausalLM", (True, 2): "StackLMForCausalLM"}
+TEXTS = ["def f(x):\n    return x  # café ☕\n", "import json, os\n\n\nclass A:\n  pass"]
+
+
+def stack_model(qk_norm: bool, nope_every: int) -> Transformer:
+    """A 4-layer model with rope_theta 500,000 and every norm gain perturbed (a gain of 1
+    hides a norm applied in the wrong place)."""
+    cfg = StackConfig(vocab_size=512, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2,
+                      intermediate=176, max_seq_len=64, rope_theta=500_000.0,
+                      qk_norm=qk_norm, nope_every=nope_every)
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def stack_logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model.forward_cached(torch.tensor([ids]), 0, [KVCache() for _ in model.blocks])
+
+
+def load(folder):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, trust_remote_code=True, output_loading_info=True)
+    return model.eval(), info
+
+
+def hf_logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits
+
+
+def ids_of(tokenizer_file) -> list[int]:
+    return [0] + Tokenizer.from_file(tokenizer_file).encode(TEXTS[0]).ids
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_each_shape_loads_as_its_class_with_equal_logits_and_greedy_text(shape, small_data_dir,
+                                                                         tmp_path):
+    model = stack_model(*shape)
+    tokenizer = str(Path(small_data_dir) / "tokenizer.json")
+    folder = hf_export.write(tmp_path / "hf", model.state_dict(), model.cfg, tokenizer, 0, "x")
+    hf, info = load(folder)
+    assert type(hf).__name__ == SHAPES[shape]
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    ids = ids_of(tokenizer)
+    assert (hf_logits(hf, ids) - stack_logits(model, ids)).abs().max() < TOLERANCE
+    prompt = torch.tensor([ids[:8]])
+    want = model.generate(prompt, 16, temperature=0)
+    got = hf.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert torch.equal(got, want)
+
+
+def test_the_tokenizer_gives_the_ids_of_tokenizers_itself(small_data_dir, tmp_path):
+    tokenizer = str(Path(small_data_dir) / "tokenizer.json")
+    model = stack_model(True, 2)
+    folder = hf_export.write(tmp_path / "hf", model.state_dict(), model.cfg, tokenizer, 0, "x")
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    ours = Tokenizer.from_file(tokenizer)
+    for text in TEXTS:
+        assert hf_tokenizer.encode(text, add_special_tokens=False) == ours.encode(text).ids
+    assert hf_tokenizer.eos_token == "<|endoftext|>" and hf_tokenizer.eos_token_id == 0
+    # transformers 5 would name its own TokenizersBackend, which 4.57 cannot load
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+
+
+@pytest.mark.parametrize("mistake", ["default shape as plain Qwen3", "no rope_theta"])
+def test_wrong_exports_fail_the_logit_check(mistake, small_data_dir, tmp_path):
+    """Negative controls: the parity check must see both (greedy text alone does not)."""
+    model = stack_model(True, 2) if mistake.startswith("default") else stack_model(True, 0)
+    config = hf_export.hf_config(model.cfg, 0, "x")
+    if mistake.startswith("default"):
+        config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+        del config["auto_map"], config["no_rope_layers"]
+    else:
+        del config["rope_theta"], config["rope_parameters"]
+    tokenizer = str(Path(small_data_dir) / "tokenizer.json")
+    folder = hf_export.write(tmp_path / "hf", model.state_dict(), model.cfg, tokenizer, 0, "x",
+                             config=config)
+    hf, _ = load(folder)
+    ids = ids_of(tokenizer)
+    assert (hf_logits(hf, ids) - stack_logits(model, ids)).abs().max() > 100 * TOLERANCE
+
+
+def test_train_export_format_hf_writes_the_checkpoint_as_a_transformers_folder(
+        small_data_dir, tmp_path, capsys):
+    cfg = micro_config(small_data_dir, str(tmp_path), stop_at_step=4,
+                       **{"model.rope_theta": 500_000.0})
+    train.main(cfg)
+    train.cli(["--preset", "tiny", f"--out_dir={tmp_path}", "--export", "--format=hf"])
+    assert "trust_remote_code=True" in capsys.readouterr().out  # NoPE and QK-norm: remote
+    hf, info = load(tmp_path / "export-hf")
+    assert not any(info.values()), info
+    model = Transformer(cfg.model).eval()
+    model.load_state_dict(checkpoint_weights(cfg, 4))
+    ids = ids_of(str(Path(small_data_dir) / "tokenizer.json"))
+    assert (hf_logits(hf, ids) - stack_logits(model, ids)).abs().max() < TOLERANCE
+    assert hf.config.stacklm_revision == train.report.code_revision()
+    assert dataclasses.asdict(cfg.model)["nope_every"] == 2  # micro_config's NoPE layers
