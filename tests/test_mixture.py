@@ -281,18 +281,22 @@ def test_each_source_is_validated_and_the_mixture_is_its_first_stage_mean(source
 
 
 def test_the_banner_plans_each_stage_and_warns_per_source(sources, tmp_path, capsys):
-    cfg = micro_config(f"{sources[0]}:3,{sources[1]}:1", str(tmp_path), stop_at_step=4,
-                       total_steps=4000, warmup_steps=2, decay_start=2000,
+    """40,000 steps of 512 tokens, decay from step 20,000: every source is read past 4
+    epochs, and each gets its own warning."""
+    cfg = micro_config(f"{sources[0]}:3,{sources[1]}:1", str(tmp_path), stop_at_step=40_000,
+                       total_steps=40_000, warmup_steps=2, decay_start=20_000,
                        anneal_data_dir=sources[2])
-    train.setup(dataclasses.replace(cfg, stop_at_step=4000))
+    train.setup(cfg)
     out = capsys.readouterr().out
-    for source in sources:
-        assert f"data from step " in out and source in out
-    assert out.count("warning: this run reads") >= 1
+    assert f"data from step 0: {sources[0]} × 0.75, " in out
+    assert f"data from step 0: {sources[1]} × 0.25, " in out
+    assert f"data from step 20,000: {sources[2]} × 1, " in out
     tokens = {d: data.windows_per_epoch(data.load_manifest(d), "train", cfg.seq_len)
               * cfg.seq_len for d in sources}
-    plan = config.data_plan(dataclasses.replace(cfg, stop_at_step=4000), cfg.stages(2000),
-                            tokens)
+    plan = config.data_plan(cfg, cfg.stages(20_000), tokens)
     assert [(r["start"], r["source"], r["planned"]) for r in plan] == [
-        (0, sources[0], 2000 * 512 * 3 // 4), (0, sources[1], 2000 * 512 // 4),
-        (2000, sources[2], 2000 * 512)]
+        (0, sources[0], 20_000 * 512 * 3 // 4), (0, sources[1], 20_000 * 512 // 4),
+        (20_000, sources[2], 20_000 * 512)]
+    over = [r["source"] for r in plan if r["planned"] / r["available"] > 4]
+    assert over == sources and out.count("warning: this run reads") == 3
+    assert all(f"warning: this run reads {source} " in out for source in over)
