@@ -187,14 +187,14 @@ class PackedShardLoader:
             filled += len(piece)
             shard += 1
 
-    def read_rows(self, windows: np.ndarray, out: np.ndarray):
-        """Fill each row of out (B, T+1) with its window's T+1 tokens."""
-        for row, window in zip(out, windows, strict=True):
-            self.read(int(window) * self.seq_len, row)
+    def read_rows(self, windows: np.ndarray, out: np.ndarray, rows):
+        """Fill out[rows[k]] (of out's (B, T+1)) with window windows[k]'s T+1 tokens."""
+        for row, window in zip(rows, windows, strict=True):
+            self.read(int(window) * self.seq_len, out[row])
 
     def batch(self, windows: np.ndarray) -> dict[str, torch.Tensor]:
         tokens = np.empty((len(windows), self.seq_len + 1), dtype=self.shards[0].dtype)
-        self.read_rows(windows, tokens)  # (B, T+1)
+        self.read_rows(windows, tokens, range(len(windows)))  # (B, T+1)
         return pack(tokens, self.eos_id)
 
     def state_dict(self) -> dict:
@@ -326,8 +326,7 @@ class MixtureLoader:
         for i, (d, _) in enumerate(self.stage.sources):
             loader, rows = self.sources[d], np.flatnonzero(source[mine] == i)
             positions = self.offsets[d] + index[mine][rows]  # the source's own stream
-            for row, window in zip(rows, loader.window_indices(positions), strict=True):
-                loader.read(int(window) * self.seq_len, tokens[row])
+            loader.read_rows(loader.window_indices(positions), tokens, rows)
             loader.note_new_epochs(self.consumed[d], self.consumed[d] + int(given[i]))
             self.consumed[d] += int(given[i])
         self.cursor += batch

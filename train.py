@@ -48,13 +48,15 @@ from model import Transformer, flops_per_token
 def main(cfg: TrainConfig) -> dict:
     """Train as `cfg` says; return the last logged metrics and the final evaluation."""
     run = setup(cfg)
+    # every source shares one tokenizer (ensure_data checks), so one byte table serves all
+    token_bytes = data.token_bytes(run.stages[0].sources[0][0]).to(run.accelerator.device)
     bad_steps = 0  # consecutive steps whose update was skipped (non-finite loss or norm)
     last_eval, last_ckpt, train_seconds, metrics = None, run.step, 0.0, {}
     with checkpoint.StopFlag() as stop, make_logger(run) as logger:
         while run.step < cfg.stop_at_step:
             # A source new to a resumed run is evaluated at once: its curve has a before.
             if (run.step % cfg.eval_every == 0 or run.new_sources) and last_eval != run.step:
-                metrics.update(validate(run))
+                metrics.update(validate(run, token_bytes))
                 logger.log_eval(run.step, metrics)
                 last_eval = run.step
 
@@ -91,7 +93,7 @@ def main(cfg: TrainConfig) -> dict:
                 return metrics
 
         if last_eval != run.step:
-            metrics.update(validate(run))
+            metrics.update(validate(run, token_bytes))
             logger.log_eval(run.step, metrics)
         if last_ckpt != run.step and bad_steps == 0:
             save_checkpoint(run)
@@ -114,6 +116,7 @@ class Run:
     tokens_seen: int = 0  # tokens trained on, all ranks together
     skipped_steps: int = 0  # updates skipped for a non-finite loss or grad norm, in all
     new_sources: bool = False  # a resume added sources: evaluate them before training on
+    revision: str = "unknown"  # the git revision of the code that runs (report.code_revision)
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -138,11 +141,12 @@ def setup(cfg: TrainConfig) -> Run:
         # accelerate.prepare keeps a model that is already an FSDP module as it is.
         model = shard_model(model, accelerator.device, accelerator.mixed_precision == "bf16")
     optimizers = optim.build_optimizers(model, cfg)
-    accelerator.print(banner(cfg, accelerator, model, optimizers, plan, compiled))
+    revision = report.code_revision()
+    accelerator.print(banner(cfg, accelerator, model, optimizers, plan, compiled, revision))
     accelerator.print("\n".join(warnings), end="\n" if warnings else "")
     model, *prepared = accelerator.prepare(model, *optimizers.named.values())
     optimizers = optim.Optimizers(dict(zip(optimizers.named, prepared, strict=True)))
-    run = Run(cfg, accelerator, model, optimizers, loader, stages, manifests)
+    run = Run(cfg, accelerator, model, optimizers, loader, stages, manifests, revision=revision)
     resume(run, candidates)
     return run
 
@@ -186,14 +190,12 @@ def train_step(run: Run, stop: checkpoint.StopFlag) -> dict:
             "stop": stop_votes.item() > 0, "seconds": time.perf_counter() - t0}
 
 
-def validate(run: Run) -> dict:
+def validate(run: Run, token_bytes: torch.Tensor) -> dict:
     """Every source's val loss and bits per byte (`val_loss/<data_dir>`), and the mixture's:
     their mean weighted by the first stage's shares, the same weights for the whole run,
     so the curve stays comparable across a stage switch."""
-    sources = list(run.loader.sources)
-    token_bytes = data.token_bytes(sources[0]).to(run.accelerator.device)  # one tokenizer
     metrics = {}
-    for source in sources:
+    for source in run.loader.sources:
         result = evaluate(run.cfg, run.accelerator, run.model, token_bytes, source)
         metrics.update({f"{k}/{source}": v for k, v in result.items()})
     run.new_sources = False
@@ -316,7 +318,8 @@ def shard_model(model: Transformer, device: torch.device, bf16: bool) -> Transfo
     return model
 
 
-def banner(cfg: TrainConfig, accelerator, model, optimizers, plan, compiled) -> str:
+def banner(cfg: TrainConfig, accelerator, model, optimizers, plan, compiled,
+           revision: str) -> str:
     """The start-up summary report.py prints: parameters, FLOPs, batch, schedule, memory."""
     hardware = report.Hardware(accelerator.num_processes, str(accelerator.device),
                                accelerator.distributed_type.value,
@@ -325,8 +328,7 @@ def banner(cfg: TrainConfig, accelerator, model, optimizers, plan, compiled) -> 
     n_muon = sum(p.numel() for g in muon.param_groups for p in g["params"]) if muon else 0
     n_params = sum(p.numel() for p in model.parameters())
     return report.banner(cfg, hardware, n_params, n_muon, optimizers.summary(),
-                         optim.schedule_summary(cfg), model_flops(cfg), plan,
-                         report.code_revision())
+                         optim.schedule_summary(cfg), model_flops(cfg), plan, revision)
 
 
 def model_flops(cfg: TrainConfig) -> dict[str, float]:  # FLOP/token in both conventions
@@ -345,7 +347,7 @@ def save_checkpoint(run: Run):
     state = {"step": run.step, "tokens_seen": run.tokens_seen, "skipped_steps": run.skipped_steps,
              "loader": run.loader.state_dict(), "world_size": run.accelerator.num_processes,
              "stages": run.stages, "tokenizer_sha256": first["tokenizer"]["sha256"],
-             "revision": report.code_revision(),  # the code that trained it
+             "revision": run.revision,  # the code that trained it
              "config": dataclasses.asdict(run.cfg)}
     # Never pruned: the checkpoints where a stage begins and where the decay leg begins, the
     # branch points of anneals (WSD's point).
