@@ -19,6 +19,7 @@ V vocabulary, N = B·T rows of the loss head.
 This file imports nothing from stacklm but config.py.
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -88,13 +89,15 @@ def uses_rope(cfg: StackConfig, layer: int) -> bool:
 # Attention: one chooser, three kernels
 # ---------------------------------------------------------------------------------------
 
-# Eager flex_attention materialises the (T, T) score matrix; compiled, it is one fused
-# kernel that skips the blocks the mask rules out. Compilation is lazy (first call).
-flex_attention_compiled = torch.compile(flex_attention, dynamic=False)
-# Building a BlockMask evaluates the mask rule for every (query, key) pair: eagerly that
-# makes B·T² int64 temporaries (GiBs at 32 × 2,048) on every forward; compiled, one fused
-# kernel (as torchtitan does). Only the CUDA path needs it.
-create_block_mask_compiled = torch.compile(create_block_mask)
+@functools.cache
+def compiled(kernel, **options):
+    """torch.compile(kernel), made on first use: only the CUDA path runs these, and the
+    first torch.compile imports the compiler (seconds a CPU run never needs). Eager
+    flex_attention materialises the (T, T) score matrix; compiled, it is one fused kernel
+    that skips the blocks the mask rules out. Building a BlockMask evaluates the mask rule
+    for every (query, key) pair: eagerly that makes B·T² int64 temporaries (GiBs at
+    32 × 2,048) on every forward; compiled, one fused kernel (as torchtitan does)."""
+    return torch.compile(kernel, **options)
 
 
 def attention_backend(device: torch.device, has_seq_ids: bool) -> str:
@@ -126,7 +129,7 @@ def document_block_mask(seq_ids) -> BlockMask:
     def same_document_causal(b, h, q_idx, kv_idx):
         return (seq_ids[b, q_idx] == seq_ids[b, kv_idx]) & (q_idx >= kv_idx)
 
-    build = create_block_mask_compiled if seq_ids.is_cuda else create_block_mask
+    build = compiled(create_block_mask) if seq_ids.is_cuda else create_block_mask
     return build(same_document_causal, B, None, T, T, device=seq_ids.device)
 
 
@@ -148,7 +151,7 @@ def attention(q, k, v, mask):
     kernels' enable_gqa does this without copying k and v H / K times.
     """
     if isinstance(mask, BlockMask):
-        return flex_attention_compiled(q, k, v, block_mask=mask, enable_gqa=True)
+        return compiled(flex_attention, dynamic=False)(q, k, v, block_mask=mask, enable_gqa=True)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
