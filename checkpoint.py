@@ -15,13 +15,15 @@ crash mid-write leaves the previous checkpoint as the newest complete one; only 
 folders (a bare `step_` + digits name holding train_state.json) are ever resumed from.
 Nothing here runs code from a checkpoint: tensors and RNG states are read with
 torch.load(weights_only=True), and DCP's pickled `.metadata` through an allowlist.
-`StopFlag` turns a preemption's SIGTERM into "finish the step, save, exit 0".
+`StopFlag` turns a preemption's SIGTERM into "finish the step, save, exit 0", and
+`record_outcome` tells a launch script that it did (a launcher cannot).
 
 This file imports nothing else from stacklm: it takes a model, optimizers and plain values.
 """
 
 import contextlib
 import json
+import os
 import pickle
 import random
 import shutil
@@ -99,10 +101,16 @@ def ckpt_root(out_dir) -> Path:
     return Path(out_dir) / "ckpt"
 
 
+def step_path(out_dir, step: int) -> Path:
+    return ckpt_root(out_dir) / f"step_{step:07d}"
+
+
 def complete_checkpoints(out_dir) -> list[Path]:
-    """The complete checkpoints in out_dir/ckpt, oldest first."""
-    done = sorted(ckpt_root(out_dir).glob("step_[0-9]*[0-9]"))
-    return [p for p in done if (p / "train_state.json").exists()]
+    """The complete checkpoints in out_dir/ckpt, oldest first: `step_` + digits, holding
+    train_state.json (not .tmp, and not one set aside as .damaged, .diverged, ...)."""
+    done = sorted(ckpt_root(out_dir).glob("step_*"))
+    return [p for p in done if p.name.removeprefix("step_").isdigit()
+            and (p / "train_state.json").exists()]
 
 
 def newest(out_dir) -> str:
@@ -125,11 +133,15 @@ def resume_candidates(out_dir, resume: str) -> list[Path]:
     return complete_checkpoints(out_dir)[::-1] if resume == "auto" else [find(out_dir, resume)]
 
 
-def set_aside(out_dir, step: int, reason: str):
-    """Rename step_XXXXXXX to step_XXXXXXX.<reason>: never resumed from, never deleted."""
-    path = ckpt_root(out_dir) / f"step_{step:07d}"
-    if path.exists():
-        path.rename(path.with_name(f"{path.name}.{reason}"))
+def set_aside(path: Path, reason: str) -> Path:
+    """Rename checkpoint folder `path` to <name>.<reason> (.<reason>.2, ... if that is
+    taken): never resumed from, never deleted, never written over."""
+    target, n = path.with_name(f"{path.name}.{reason}"), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.{reason}.{n}")
+    path.rename(target)
+    return target
 
 
 def find(out_dir, resume: str) -> Path | None:
@@ -166,7 +178,7 @@ def save(accelerator, model, optimizers: list, train_state: dict, out_dir,
     if finite_ranks.item() < accelerator.num_processes:
         raise RuntimeError(f"step {step}: the weights hold non-finite values; refusing to "
                            f"write a checkpoint over the last good one in {ckpt_root(out_dir)}")
-    final = ckpt_root(out_dir) / f"step_{step:07d}"
+    final = step_path(out_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -178,7 +190,8 @@ def save(accelerator, model, optimizers: list, train_state: dict, out_dir,
         (tmp / "train_state.json").write_text(json.dumps(train_state, indent=1))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        shutil.rmtree(final, ignore_errors=True)
+        if final.exists():  # one this run did not resume from (a damaged one, say): kept
+            set_aside(final, "replaced")
         tmp.rename(final)
         for old in complete_checkpoints(out_dir)[:-keep_last]:
             if int(old.name.removeprefix("step_")) not in keep_steps:
@@ -204,7 +217,22 @@ def load(accelerator, model, optimizers: list, path: Path):
         read_weights_and_optimizers(model, [unwrapped_optimizer(o) for o in optimizers], path)
         rng_file = Path(path) / f"rng_rank{accelerator.process_index}.pt"
         if rng_file.exists():  # absent when resuming on more ranks than saved
-            set_rng_state(torch.load(rng_file, weights_only=True))
+            set_rng_state(read_tensors(rng_file))
+
+
+def read_tensors(path: Path):
+    """torch.load with weights_only=True, which unpickles tensors and plain values only. A
+    file it refuses holds something else, which a checkpoint never does: it is unsafe (a
+    crafted pickle runs code), not merely damaged."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "Weights only load failed" in str(e):  # torch's words for "not plain data"
+            raise UnsafeCheckpointError(
+                f"{path}: holds more than tensors and plain values, which a checkpoint never "
+                f"does; refusing to read it (unpickling it could run code). Delete this "
+                f"checkpoint folder or replace it with one this trainer wrote") from None
+        raise
 
 
 @contextlib.contextmanager
@@ -293,7 +321,9 @@ def read_model(ckpt: Path, model) -> dict:
 
 class StopFlag:
     """SIGTERM (a scheduler's preemption) or Ctrl-C asks the loop to finish its step, save
-    and exit 0; a second Ctrl-C interrupts at once. The old handlers come back on exit."""
+    and exit 0; a second Ctrl-C interrupts at once. The old handlers come back on exit.
+    (A launcher's workers start sessions of their own, so a Ctrl-C in the terminal reaches
+    only the launcher, which passes one signal on to each worker.)"""
 
     def __init__(self):
         self.requested, self.previous = False, {}
@@ -314,3 +344,20 @@ class StopFlag:
 
     def tensor(self, device) -> torch.Tensor:
         return torch.tensor([float(self.requested)], device=device)
+
+
+# Under `accelerate launch`, torch's elastic agent turns a SIGTERM it receives (SLURM signals
+# every process of a job step, the launcher too) into a non-zero exit, even when every rank
+# saved and exited 0 (torch/distributed/launcher/api.py). So a script cannot tell a clean
+# stop from a crash by the exit status. Where this variable names a file, the first process
+# of each node writes "stopped STEP" (a signal stopped the run; resuming continues it) or
+# "finished STEP" there as it ends; slurm_fsdp2.sh reads it and requeues a stopped job.
+OUTCOME_FILE = "STACKLM_OUTCOME"
+
+
+def record_outcome(outcome: str, step: int, is_local_main: bool):
+    path = os.environ.get(OUTCOME_FILE)
+    if path and is_local_main:
+        tmp = Path(f"{path}.tmp")
+        tmp.write_text(f"{outcome} {step}\n")
+        tmp.rename(path)  # whole or absent, never half-written

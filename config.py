@@ -4,6 +4,8 @@ Everything a run can change lives here, under the name the concept has in the
 literature, and is validated once, with messages that name the field, the numbers and
 the fix. Presets are plain functions; overrides come from a TOML file and from the
 command line (`--key=value`, `--model.key=value`), typed from the dataclass fields.
+`python config.py --world_size=N [flags]` prints the micro-batch a launch on N ranks
+should use (slurm_fsdp2.sh asks it).
 
 This file imports nothing else from stacklm.
 """
@@ -216,17 +218,24 @@ class TrainConfig:
         any change of GPU count. Refuses a global batch the ranks cannot split evenly."""
         per_step = self.micro_batch_size * self.seq_len * world_size
         if self.global_batch_tokens % per_step:
-            fits = [m for m in range(1, self.micro_batch_size + 1)
-                    if self.global_batch_tokens % (m * self.seq_len * world_size) == 0]
+            fits = self.fitting_micro_batch(world_size)
             nearest = max(1, round(self.global_batch_tokens / per_step)) * per_step
             # every rank count is a multiple of 1, and no multiple of world_size can split it
             ranks = " or another number of ranks" if world_size > 1 else ""
-            fix = (f"use micro_batch_size={fits[-1]}" if fits
+            fix = (f"use micro_batch_size={fits}" if fits
                    else f"use global_batch_tokens={nearest:,}{ranks}")
             raise ValueError(f"global_batch_tokens={self.global_batch_tokens:,} is not divisible "
                              f"by micro_batch_size*seq_len*world_size={self.micro_batch_size}*"
                              f"{self.seq_len}*{world_size}={per_step:,}; {fix}")
         return self.global_batch_tokens // per_step
+
+    def fitting_micro_batch(self, world_size: int) -> int | None:
+        """The largest micro-batch, at most micro_batch_size, that splits the global batch
+        evenly over world_size ranks (None: none does). slurm_fsdp2.sh launches with it
+        (`python config.py --world_size=N`), so any node count keeps the global batch."""
+        fits = [m for m in range(1, self.micro_batch_size + 1)
+                if self.global_batch_tokens % (m * self.seq_len * world_size) == 0]
+        return fits[-1] if fits else None
 
     def stages(self, decay_start: int | None) -> list[tuple[int, tuple[tuple[str, float], ...]]]:
         """The data stages, (first step, ((data_dir, weight), ...)), by step: data_dir from
@@ -414,6 +423,70 @@ def check_stages(saved: list, stages: list, step: int) -> list[str]:
                          f"stages from step {step:,} on, or start a fresh --out_dir")
     return [f"resume: data stage from step {s:,} {'changed' if s in saved else 'added'}: "
             f"{text((s, ours[s]))}" for s in sorted(ours) if s >= step and saved.get(s) != ours[s]]
+
+
+# ---------------------------------------------------------------------------------------
+# The launch config: what accelerate's yaml asks of train.py
+# ---------------------------------------------------------------------------------------
+
+# `accelerate launch` hands its yaml to the workers as environment variables
+# (accelerate/utils/launch.py): ACCELERATE_MIXED_PRECISION, and under distributed_type FSDP
+# one FSDP_* variable per fsdp_config key, an absent key as accelerate's default. train.py
+# shards the model itself (train.shard_model), so of those it honours fsdp_version: 2 and
+# fsdp_reshard_after_forward. Any other key set to something but its default would do
+# nothing, or fight train.py's own sharding: it is refused. Variable: (the default, why).
+REFUSED_FSDP_KEYS = {
+    "FSDP_OFFLOAD_PARAMS": ("false", "offloading parameters to the CPU is not supported "
+                                     "(nothing here can test it)"),
+    "FSDP_ACTIVATION_CHECKPOINTING": ("false", "train.py recomputes activations itself: use "
+                                               "--activation_recompute=full instead"),
+    "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": ("false", "activation offload is not supported"),
+    "FSDP_AUTO_WRAP_POLICY": (None, "train.py shards one group per block itself"),
+    "FSDP_TRANSFORMER_CLS_TO_WRAP": (None, "train.py shards one group per block itself"),
+    "FSDP_MIN_NUM_PARAMS": ("100000000", "train.py shards one group per block itself"),
+    "FSDP_IGNORED_MODULES": (None, "train.py shards every parameter"),
+    "FSDP_STATE_DICT_TYPE": (None, "checkpoints are always sharded DCP folders (--export "
+                                   "writes a whole model)"),
+    "FSDP_SHARDING_STRATEGY": ("FULL_SHARD", "that is FSDP1's; set fsdp_reshard_after_forward"),
+    "FSDP_BACKWARD_PREFETCH": (None, "that is FSDP1's"),
+    "FSDP_FORWARD_PREFETCH": ("false", "that is FSDP1's"),
+    "FSDP_USE_ORIG_PARAMS": ("true", "that is FSDP1's"),
+    "FSDP_SYNC_MODULE_STATES": ("true", "every rank builds the same weights from the seed"),
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": ("true", "it is for loading pretrained transformers "
+                                               "models"),
+}
+
+
+def reshard_after_forward(environ) -> bool:
+    """The launch config's fsdp_reshard_after_forward (true when absent), for shard_model."""
+    return environ.get("FSDP_RESHARD_AFTER_FORWARD", "true") == "true"
+
+
+def check_launch(environ, precision: str) -> list[str]:
+    """Refuse, in one line, a launch-config key train.py would not honour; warn when the
+    launch config's mixed_precision differs from `precision`, the one this run uses: the
+    config's mixed_precision wins (it is part of the run, saved in every checkpoint)."""
+    if environ.get("ACCELERATE_DYNAMO_BACKEND", "NO") != "NO":
+        raise ValueError(f"launch config: dynamo_backend={environ['ACCELERATE_DYNAMO_BACKEND']} "
+                         f"would compile the model a second time; train.py compiles each block "
+                         f"itself: remove dynamo_config and use --compile_model")
+    if environ.get("ACCELERATE_USE_FSDP") == "true":
+        if environ.get("FSDP_VERSION") != "2":
+            raise ValueError(f"launch config: fsdp_version={environ.get('FSDP_VERSION')} would "
+                             f"wrap train.py's FSDP2 model in FSDP1; set fsdp_version: 2")
+        if environ.get("FSDP_RESHARD_AFTER_FORWARD", "true") not in ("true", "false"):
+            raise ValueError(f"launch config: fsdp_reshard_after_forward="
+                             f"{environ['FSDP_RESHARD_AFTER_FORWARD']} must be true or false "
+                             f"under fsdp_version: 2")
+        for variable, (default, why) in REFUSED_FSDP_KEYS.items():
+            if environ.get(variable, default) != default:
+                raise ValueError(f"launch config: {variable.lower()}={environ[variable]} is "
+                                 f"not honoured: {why}; remove it from the yaml")
+    launched = environ.get("ACCELERATE_MIXED_PRECISION", precision)
+    if launched != precision:
+        return [f"warning: the launch config's mixed_precision={launched} is ignored: this run "
+                f"uses {precision}, from its config (--mixed_precision chooses)"]
+    return []
 
 
 def stack100m() -> TrainConfig:
@@ -612,3 +685,29 @@ def user_errors(debug: bool, errors: tuple = (ValueError, OSError)):
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def fit_micro_batch_cli(argv=None):
+    """`python config.py --world_size=N [--preset P] [--config RUN.TOML] [--key=value ...]`
+    prints the micro-batch a launch on N ranks should use (TrainConfig.fitting_micro_batch)
+    or refuses in one line. A launch script asks it before starting any node, in a
+    fraction of the time importing train.py (and torch) takes."""
+    parser = argparse.ArgumentParser(
+        description="Print the micro-batch a launch on --world_size ranks should use; any "
+                    "other flag is train.py's, as it would be given to it.")
+    parser.add_argument("--world_size", type=int, required=True, help="ranks of the launch")
+    args, rest = parser.parse_known_args(argv)
+    with user_errors("--debug" in rest):
+        cfg, _ = parse_args(rest)
+        micro = cfg.fitting_micro_batch(args.world_size)
+        if micro is None:
+            sequences = cfg.global_batch_tokens // cfg.seq_len
+            raise ValueError(f"{args.world_size} ranks cannot split global_batch_tokens="
+                             f"{cfg.global_batch_tokens:,} ({sequences:,} sequences of "
+                             f"{cfg.seq_len:,}) evenly; use a rank count that divides that, "
+                             f"or set --global_batch_tokens")
+        print(micro)
+
+
+if __name__ == "__main__":
+    fit_micro_batch_cli()

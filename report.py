@@ -115,7 +115,8 @@ def banner(cfg, hardware: Hardware, n_params: int, n_muon: int, optimizers: str,
           f"{row['available']:,} train tokens/epoch; this run reads {row['planned']:,} tokens "
           f"= {row['planned'] / row['available']:.2f} epochs" for row in plan),
         f"hardware: {hardware.world} × {hardware.device} ({hardware.distributed}), "
-        f"precision {hardware.precision}, compile {hardware.compiled}, activation "
+        f"precision {hardware.precision} (the config's mixed_precision={cfg.mixed_precision}, "
+        f"which wins over a launch config's), compile {hardware.compiled}, activation "
         f"recompute {cfg.activation_recompute}",
         f"code: {revision}",
         "memory estimate per rank: " + " + ".join(

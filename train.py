@@ -5,12 +5,14 @@
     accelerate launch --config_file accelerate_configs/ddp.yaml train.py   # many GPUs
 
 `main(cfg)` is the whole program. `setup` builds the accelerator, data, model, optimizers
-and restores the checkpoint, if any. Each pass of the loop then runs, in order: evaluate
-(every eval_every steps) → set the learning rates and the data stage from the step → one
-optimizer step
-(forward and backward over every micro-batch, clip, step) → log → checkpoint (every
-ckpt_every steps). accelerate supplies DDP / FSDP2, bf16 autocast and gradient
-accumulation; the plumbing (checkpoints, the log) lives in checkpoint.py and report.py.
+and restores the checkpoint, if any. `train` runs the loop; each pass runs, in order:
+evaluate (every eval_every steps) → set the learning rates and the data stage from the
+step → one optimizer step (forward and backward over every micro-batch, clip, step) → log
+→ checkpoint (every ckpt_every steps). accelerate supplies the launch (one process per
+rank, the rendezvous), DDP, bf16 autocast and the accumulation's gradient sync; train.py
+shards the model for FSDP2 itself (`shard_model`), honours two of the launch config's FSDP
+keys and refuses the rest (config.check_launch). The plumbing (checkpoints, the log)
+lives in checkpoint.py and report.py.
 
 Loss normalisation. The loss is the mean over every target token of the global batch, all
 micro-batches on all ranks, as if it were one big batch. Micro-batches can hold different
@@ -22,6 +24,7 @@ and the target tokens of the whole global batch are counted before any backward 
 
 import dataclasses
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -45,14 +48,47 @@ from config import TrainConfig
 from model import Transformer, flops_per_token
 
 
+@dataclass
+class Run:
+    """What the loop works on, made once by `setup`."""
+    cfg: TrainConfig
+    accelerator: Accelerator
+    model: torch.nn.Module
+    optimizers: optim.Optimizers  # Muon (or AdamW) on the matrices, AdamW on the rest
+    loader: data.MixtureLoader
+    stages: list[data.Stage]  # the data stages: which sources, by weight, from which step
+    manifests: dict[str, dict]  # each source's manifest.json
+    step: int = 0  # optimizer steps taken, advanced by the loop
+    tokens_seen: int = 0  # tokens trained on, all ranks together
+    skipped_steps: int = 0  # updates skipped for a non-finite loss or grad norm, in all
+    new_sources: bool = False  # a resume added sources: evaluate them before training on
+    revision: str = "unknown"  # the git revision of the code that runs (report.code_revision)
+
+
 def main(cfg: TrainConfig) -> dict:
     """Train as `cfg` says; return the last logged metrics and the final evaluation."""
-    run = setup(cfg)
+    # From here to the end, SIGTERM (a preemption) or Ctrl-C finishes the step in flight,
+    # saves and exits 0; one that comes during setup stops the run after its first step.
+    with checkpoint.StopFlag() as stop:
+        run = setup(cfg)
+        metrics = train(run, stop)
+        if run.step == cfg.stop_at_step:
+            metrics["sample"] = sample_text(cfg, run.accelerator, run.model)
+            run.accelerator.print(f"sample ({cfg.sample_prompt!r} →):\n{metrics['sample']}")
+        outcome = "finished" if run.step == cfg.stop_at_step else "stopped"
+        checkpoint.record_outcome(outcome, run.step, run.accelerator.is_local_main_process)
+    return metrics
+
+
+def train(run: Run, stop: checkpoint.StopFlag) -> dict:
+    """The loop, from run.step to cfg.stop_at_step or to a stop request; the last logged
+    metrics and evaluation."""
+    cfg = run.cfg
     # every source shares one tokenizer (ensure_data checks), so one byte table serves all
     token_bytes = data.token_bytes(run.stages[0].sources[0][0]).to(run.accelerator.device)
     bad_steps = 0  # consecutive steps whose update was skipped (non-finite loss or norm)
     last_eval, last_ckpt, train_seconds, metrics = None, run.step, 0.0, {}
-    with checkpoint.StopFlag() as stop, make_logger(run) as logger:
+    with make_logger(run) as logger:
         while run.step < cfg.stop_at_step:
             # A source new to a resumed run is evaluated at once: its curve has a before.
             if (run.step % cfg.eval_every == 0 or run.new_sources) and last_eval != run.step:
@@ -97,26 +133,7 @@ def main(cfg: TrainConfig) -> dict:
             logger.log_eval(run.step, metrics)
         if last_ckpt != run.step and bad_steps == 0:
             save_checkpoint(run)
-    metrics["sample"] = sample_text(cfg, run.accelerator, run.model)
-    run.accelerator.print(f"sample ({cfg.sample_prompt!r} →):\n{metrics['sample']}")
     return metrics
-
-
-@dataclass
-class Run:
-    """What the loop works on, made once by `setup`."""
-    cfg: TrainConfig
-    accelerator: Accelerator
-    model: torch.nn.Module
-    optimizers: optim.Optimizers  # Muon (or AdamW) on the matrices, AdamW on the rest
-    loader: data.MixtureLoader
-    stages: list[data.Stage]  # the data stages: which sources, by weight, from which step
-    manifests: dict[str, dict]  # each source's manifest.json
-    step: int = 0  # optimizer steps taken, advanced by the loop
-    tokens_seen: int = 0  # tokens trained on, all ranks together
-    skipped_steps: int = 0  # updates skipped for a non-finite loss or grad norm, in all
-    new_sources: bool = False  # a resume added sources: evaluate them before training on
-    revision: str = "unknown"  # the git revision of the code that runs (report.code_revision)
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -124,12 +141,13 @@ def setup(cfg: TrainConfig) -> Run:
     config and data mistake fails here, before any compute."""
     phases = optim.check_schedule(cfg)
     candidates = checkpoint.resume_candidates(cfg.out_dir, cfg.resume)  # refuses overwrites
+    launch_warnings = config.check_launch(os.environ, precision(cfg))  # refuses dead keys
     accelerator = make_accelerator(cfg)
     stages = [data.Stage(*stage) for stage in cfg.stages(phases.decay_start)]
     manifests = ensure_data(cfg, stages, accelerator)
     plan = config.data_plan(cfg, stages, {d: data.windows_per_epoch(m, "train", cfg.seq_len)
                                           * cfg.seq_len for d, m in manifests.items()})
-    warnings = config.check_epochs(cfg, plan)  # refuses a plan past --max_epochs
+    warnings = launch_warnings + config.check_epochs(cfg, plan)  # refuses past --max_epochs
     with accelerator.main_process_first():  # rank 0 hashes the shards; the rest read its record
         loader = data.MixtureLoader(stages, cfg.seq_len, cfg.micro_batch_size,
                                     accelerator.process_index, accelerator.num_processes,
@@ -139,7 +157,8 @@ def setup(cfg: TrainConfig) -> Run:
     if accelerator.distributed_type == DistributedType.FSDP:
         # Sharded before the optimizers are built, so they hold the sharded parameters;
         # accelerate.prepare keeps a model that is already an FSDP module as it is.
-        model = shard_model(model, accelerator.device, accelerator.mixed_precision == "bf16")
+        model = shard_model(model, accelerator.device, accelerator.mixed_precision == "bf16",
+                            config.reshard_after_forward(os.environ))
     optimizers = optim.build_optimizers(model, cfg)
     revision = report.code_revision()
     accelerator.print(banner(cfg, accelerator, model, optimizers, plan, compiled, revision))
@@ -246,9 +265,16 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
         # fp32 range and accumulation, 10-bit mantissa inputs, as nanoGPT and torchtitan do.
         torch.set_float32_matmul_precision("high")
     world_size = PartialState(cpu=cpu).num_processes
-    precision = {"auto": "no" if cpu else "bf16", "bf16": "bf16", "no": "no"}
-    return Accelerator(cpu=cpu, mixed_precision=precision[cfg.mixed_precision],
+    return Accelerator(cpu=cpu, mixed_precision=precision(cfg),
                        gradient_accumulation_steps=cfg.grad_accum_steps(world_size))
+
+
+def precision(cfg: TrainConfig) -> str:
+    """accelerate's mixed_precision for this run: the config's, `auto` being bf16 on a GPU
+    and fp32 ("no") on a CPU. It wins over the launch config's (config.check_launch warns)."""
+    if cfg.mixed_precision == "auto":
+        return "bf16" if torch.cuda.is_available() else "no"
+    return cfg.mixed_precision
 
 
 def ensure_data(cfg: TrainConfig, stages: list, accelerator: Accelerator) -> dict[str, dict]:
@@ -298,13 +324,17 @@ def build_model(cfg: TrainConfig, compile_model: bool) -> Transformer:
     return model
 
 
-def shard_model(model: Transformer, device: torch.device, bf16: bool) -> Transformer:
+def shard_model(model: Transformer, device: torch.device, bf16: bool,
+                reshard_after_forward: bool = True) -> Transformer:
     """FSDP2 (`fully_shard`): one group per block, then the root group, which holds the
     tied embedding and the final norm — the embedding is used at both ends of the forward,
     so it must live in one group, and the loss head runs inside the root's forward where
     that weight is gathered. Parameters are gathered in bf16 for compute, and gradients are
     reduce-scattered in fp32 (accelerate's bf16 default would sum them in bf16, dropping
-    the low bits of many small per-rank contributions)."""
+    the low bits of many small per-rank contributions). `reshard_after_forward` (the launch
+    config's fsdp_reshard_after_forward) False keeps each block's gathered weights from
+    its forward to its backward: one all-gather fewer per block, a block's weights more
+    memory each."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -313,8 +343,9 @@ def shard_model(model: Transformer, device: torch.device, bf16: bool) -> Transfo
                                   reduce_dtype=torch.float32)
     model.to(device)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy,
+                    reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return model
 
 
@@ -359,20 +390,39 @@ def save_checkpoint(run: Run):
 
 def resume(run: Run, candidates: list[Path]):
     """Continue from the first of `candidates` that can be read (checkpoint.resume_candidates
-    lists them): if the newest of out_dir is damaged, say so and fall back to the one before."""
+    lists them). A damaged one is renamed .damaged, kept for a person to look at, and the
+    one before it is tried; a file that is unsafe to read stops the run. Every rank must
+    take the same decision, and a damaged shard or RNG file may show on one rank only, so
+    each rank's verdict is summed over the ranks first."""
+    accelerator = run.accelerator
     for path in candidates:
+        error = None
         try:
             load_checkpoint(run, path)
-        except checkpoint.DamagedCheckpointError as e:
-            if run.cfg.resume != "auto":
-                raise ValueError(f"resume={run.cfg.resume} cannot be read: {e}") from e
-            run.accelerator.print(f"warning: skipping damaged checkpoint {e}")
-            continue
-        run.accelerator.print(f"resumed from {path} at step {run.step:,}")
-        return
+        except (checkpoint.DamagedCheckpointError, checkpoint.UnsafeCheckpointError) as e:
+            error = e
+        unsafe = isinstance(error, checkpoint.UnsafeCheckpointError)
+        votes = torch.tensor([error is not None and not unsafe, unsafe], dtype=torch.float32,
+                             device=accelerator.device)
+        n_damaged, n_unsafe = accelerator.reduce(votes, "sum").tolist()
+        if n_unsafe:
+            raise error if unsafe else checkpoint.UnsafeCheckpointError(
+                f"{path}: another rank refused a file of it as unsafe (see its error)")
+        if not n_damaged:
+            accelerator.print(f"resumed from {path} at step {run.step:,}")
+            return
+        reason = error or f"{path}: a file another rank reads is damaged"
+        if run.cfg.resume != "auto":
+            raise ValueError(f"resume={run.cfg.resume} cannot be read: {reason}")
+        accelerator.wait_for_everyone()  # every rank is done reading it
+        if accelerator.is_main_process:
+            kept = checkpoint.set_aside(path, "damaged")
+            print(f"warning: skipping damaged checkpoint {reason}; kept as {kept}")
+        accelerator.wait_for_everyone()
     if candidates:
         raise ValueError(f"no checkpoint in {checkpoint.ckpt_root(run.cfg.out_dir)} can be "
-                         f"read (see the warnings above); move them aside and --resume=none")
+                         f"read (see the warnings above; each is kept as .damaged); "
+                         f"--resume=none starts afresh")
 
 
 def load_checkpoint(run: Run, path: Path):
@@ -479,8 +529,9 @@ def give_up(run: Run, bad_steps: int, last_ckpt: int):
     """Stop a run whose loss stayed non-finite. A checkpoint written just before the streak
     holds the weights that gave its first loss: set it aside (renamed .diverged)."""
     cfg, first_bad = run.cfg, run.step - bad_steps + 1
-    if last_ckpt == first_bad - 1 and run.accelerator.is_main_process:
-        checkpoint.set_aside(cfg.out_dir, last_ckpt, "diverged")
+    suspect = checkpoint.step_path(cfg.out_dir, last_ckpt)
+    if last_ckpt == first_bad - 1 and suspect.exists() and run.accelerator.is_main_process:
+        checkpoint.set_aside(suspect, "diverged")
     rates = " ".join(f"{name} {lr:.2e}" for name, lr in run.optimizers.lrs().items())
     raise TrainingDiverged(
         f"{bad_steps} consecutive non-finite steps (the last at step {run.step}, lr {rates}): "

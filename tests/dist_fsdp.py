@@ -13,7 +13,9 @@ ACTION
   train               STEPS steps of `fsdp_config` with every block's activations recomputed;
                       rank 0 writes each step's loss and pre-clip grad norm to OUT/train.json
                       and the full weights to OUT/weights.pt, and every rank writes what
-                      accelerate reports about the world to OUT/world_<rank>.json.
+                      accelerate reports about the world, and whether block 0 was resharded
+                      after its forward (FSDP_RESHARD_AFTER_FORWARD, as the launch config
+                      sets it), to OUT/world_<rank>.json.
   train_mean_of_means negative control: as `train`, but every micro-batch's loss is
                       normalised by its own target count (a mean of micro-batch means, the
                       mistake global-token normalisation exists to avoid).
@@ -41,6 +43,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import checkpoint  # noqa: E402
+import config  # noqa: E402
 import data  # noqa: E402
 import optim  # noqa: E402
 import train  # noqa: E402
@@ -93,7 +96,8 @@ def make_run(cfg, data_dir: str) -> train.Run:
     world = int(os.environ["WORLD_SIZE"])
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=cfg.grad_accum_steps(world))
     model = train.build_model(cfg, compile_model=False)
-    model = train.shard_model(model, accelerator.device, bf16=False)
+    model = train.shard_model(model, accelerator.device, bf16=False,
+                              reshard_after_forward=config.reshard_after_forward(os.environ))
     optimizers = optim.build_optimizers(model, cfg)
     stages = [data.Stage(0, ((data_dir, 1.0),))]
     loader = MaskedLoader(stages, cfg.seq_len, cfg.micro_batch_size, accelerator.process_index,
@@ -111,6 +115,17 @@ def train_steps(run: train.Run) -> list[dict]:
             results.append(train.train_step(run, stop))
             run.step += 1
     return results
+
+
+def watch_resharding(model) -> dict:
+    """Fills in, at block 0's first forward, whether its weights were sharded again after it
+    (FSDP2's reshard_after_forward) or stayed gathered for the backward."""
+    seen = {}
+
+    def hook(module, args, output):
+        seen.setdefault("sharded_after_forward", isinstance(module.attn.q_proj.weight, DTensor))
+    model.blocks[0].register_forward_hook(hook)
+    return seen
 
 
 def world_report(accelerator) -> dict:
@@ -146,12 +161,14 @@ def main():
     run = make_run(cfg, data_dir)
     rank, optimizers = run.accelerator.process_index, list(run.optimizers.named.values())
     if action.startswith("train"):
-        (out / f"world_{rank}.json").write_text(json.dumps(world_report(run.accelerator)))
+        resharding = watch_resharding(run.model)
         if action == "train_mean_of_means":
             normalise_each_micro_batch(run.model, cfg)
         elif action == "train_half_gradient":
             halve_gradients(run.accelerator)
         results = train_steps(run)
+        (out / f"world_{rank}.json").write_text(json.dumps(world_report(run.accelerator)
+                                                           | resharding))
         weights = {k: full(v) for k, v in run.model.state_dict().items()}
         if rank == 0:
             (out / "train.json").write_text(json.dumps({

@@ -99,6 +99,20 @@ def test_find_ignores_partial_checkpoints_and_save_prunes(tmp_path):
         checkpoint.find(tmp_path, str(root / "step_0000010"))
 
 
+def test_set_aside_never_reuses_a_name_and_is_never_resumed_from(tmp_path):
+    """Twice damaged at one step: .damaged, then .damaged.2 (a name that ends in a digit,
+    as a checkpoint's does); neither is a complete checkpoint, the plain one is."""
+    for _ in range(2):
+        (checkpoint.step_path(tmp_path, 4)).mkdir(parents=True)
+        (checkpoint.step_path(tmp_path, 4) / "train_state.json").write_text("{}")
+        checkpoint.set_aside(checkpoint.step_path(tmp_path, 4), "damaged")
+    (checkpoint.step_path(tmp_path, 2)).mkdir()
+    (checkpoint.step_path(tmp_path, 2) / "train_state.json").write_text("{}")
+    assert sorted(p.name for p in checkpoint.ckpt_root(tmp_path).iterdir()) == [
+        "step_0000002", "step_0000004.damaged", "step_0000004.damaged.2"]
+    assert checkpoint.complete_checkpoints(tmp_path) == [checkpoint.step_path(tmp_path, 2)]
+
+
 def test_rng_state_round_trip_restores_every_generator(tmp_path):
     """Save the state, draw from each generator, restore, draw again: the same numbers.
     Through a weights_only torch.save/load, as a checkpoint stores it."""

@@ -2,6 +2,7 @@
 under torchrun with gloo (fully_shard runs on CPU even though accelerate will not shard
 there), against `train.main` in one process and against plain DCP reads."""
 
+import functools
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ import data
 import dist_fsdp
 import train
 from conftest import micro_config
+from test_train import free_port
 from model import Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +33,21 @@ def torchrun(nproc: int, action: str, data_dir: str, out: Path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
+def torchrun_two_nodes(action: str, data_dir: str, out: Path, env: dict):
+    """Two "nodes" of one rank on this machine: two torchrun agents with --nnodes 2 meeting
+    at one c10d rendezvous on 127.0.0.1, as the multi-node launch config's agents do."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+         f"--node_rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+         str(ROOT / "tests" / "dist_fsdp.py"), action, data_dir, str(out)],
+        env=os.environ | {"OMP_NUM_THREADS": "1"} | env, cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    for agent in agents:
+        output, _ = agent.communicate(timeout=300)
+        assert agent.returncode == 0, output[-3000:]
+
+
 # The real code's differences from the single-process reference, measured on this machine
 # (2 ranks, 3 steps, torch 2.13): weights 4.6e-6 (max abs; on embed.weight, where AdamW's
 # first step, lr·g / (|g| + 1e-8), turns a 7e-12 rounding difference in a 7e-9 gradient
@@ -40,11 +57,11 @@ def torchrun(nproc: int, action: str, data_dir: str, out: Path):
 WEIGHT_TOL, LOSS_RTOL, GRAD_NORM_RTOL = 1e-4, 2e-6, 1e-5
 
 
-def sharded_run(action: str, data_dir: str, out: Path) -> dict:
-    """dist_fsdp.py's train_step on 2 ranks: its losses, grad norms and full weights, and
-    the differences from the single-process reference's."""
+def sharded_run(action: str, data_dir: str, out: Path, launch=None) -> dict:
+    """dist_fsdp.py's train_step on 2 ranks (one torchrun, or `launch`): its losses, grad
+    norms, full weights and what each rank reported."""
     out.mkdir()
-    torchrun(2, action, data_dir, out)
+    (launch or functools.partial(torchrun, 2))(action, data_dir, out)
     result = json.loads((out / "train.json").read_text())
     result["weights"] = torch.load(out / "weights.pt", weights_only=True)
     result["world"] = [json.loads((out / f"world_{rank}.json").read_text()) for rank in (0, 1)]
@@ -93,9 +110,27 @@ def test_sharded_train_step_equals_single_process_main(small_data_dir, tmp_path,
     for rank, world in enumerate(run["world"]):
         assert world == {"rank": rank, "world_size": 2, "process_index": rank,
                          "num_processes": 2, "distributed_type": "MULTI_CPU",
-                         "reduced_sum": 1.0 + 2.0, "grad_accum": 3}
+                         "reduced_sum": 1.0 + 2.0, "grad_accum": 3,
+                         "sharded_after_forward": True}
     assert len(run["weights"]) == len(reference["weights"]) > 10
     assert not any(run["skipped"])
+    diff = differences(run, reference)
+    assert diff["weights"] < WEIGHT_TOL, diff
+    assert diff["loss"] < LOSS_RTOL, diff
+    assert diff["grad_norm"] < GRAD_NORM_RTOL, diff
+
+
+@pytest.mark.distributed
+def test_sharded_train_step_across_two_nodes_keeps_weights_gathered_as_configured(
+        small_data_dir, tmp_path, reference):
+    """The same sharded step on 2 "nodes" × 1 rank under `torchrun --nnodes 2` (gloo over
+    loopback), with the launch config's fsdp_reshard_after_forward: false as accelerate
+    exports it: each block's weights stay gathered after its forward, and the result still
+    matches the single-process reference within the tolerances above."""
+    run = sharded_run("train", small_data_dir, tmp_path / "train", functools.partial(
+        torchrun_two_nodes, env={"FSDP_RESHARD_AFTER_FORWARD": "false"}))
+    assert [world["sharded_after_forward"] for world in run["world"]] == [False, False]
+    assert sorted(world["rank"] for world in run["world"]) == [0, 1]
     diff = differences(run, reference)
     assert diff["weights"] < WEIGHT_TOL, diff
     assert diff["loss"] < LOSS_RTOL, diff

@@ -42,7 +42,9 @@ HOW = {
     "accelerate launch --config_file accelerate_configs/single_gpu.yaml train.py": ("skip", GPU),
     "accelerate launch --config_file accelerate_configs/ddp.yaml train.py": ("skip", GPU),
     "accelerate launch --config_file accelerate_configs/fsdp2.yaml train.py": ("skip", GPU),
-    "sbatch --nodes=N accelerate_configs/slurm_fsdp2.sh": ("skip", "needs SLURM and GPUs"),
+    "sbatch --nodes=N accelerate_configs/slurm_fsdp2.sh [--key=value ...]": (
+        "skip", "needs SLURM and GPUs; tests/test_cluster.py runs the script itself with stub "
+                "srun and scontrol"),
     "accelerate launch --config_file accelerate_configs/cpu_ddp.yaml train.py --preset tiny "
     "--micro_batch_size=8": ("run", FEW_STEPS),
     'python prepare.py --source "corpus/*.txt" --data_dir data/mycorpus': ("run", []),

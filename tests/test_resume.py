@@ -112,16 +112,22 @@ def test_resume_none_never_overwrites_checkpoints(small_data_dir, tmp_path):
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(small_data_dir, tmp_path,
                                                                     capsys):
-    """A truncated .distcp in the newest checkpoint: a warning names it and the run resumes
-    from the previous one, reaching the same weights as a run never interrupted."""
+    """A truncated .distcp in the newest checkpoint: a warning names it, the folder is kept
+    as step_0000004.damaged (the resumed run writes a new step 4 beside it, not over it),
+    and the run resumes from the previous one, reaching the same weights as a run never
+    interrupted."""
     cfg = micro_config(small_data_dir, str(tmp_path / "run"), ckpt_every=2, stop_at_step=4)
     train.main(cfg)
     shard = next(ckpt(cfg, 4).glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    evidence = {p.name: p.read_bytes() for p in ckpt(cfg, 4).iterdir()}
     resumed = dataclasses.replace(cfg, stop_at_step=6)
     train.main(resumed)
     out = capsys.readouterr().out
-    assert f"skipping damaged checkpoint {ckpt(cfg, 4)}" in out
+    kept = ckpt(cfg, 4).with_name("step_0000004.damaged")
+    assert f"skipping damaged checkpoint {ckpt(cfg, 4)}" in out and f"kept as {kept}" in out
+    assert {p.name: p.read_bytes() for p in kept.iterdir()} == evidence
+    assert checkpoint.read_train_state(ckpt(cfg, 4))["step"] == 4  # the resumed run's own
     assert f"resumed from {ckpt(cfg, 2)} at step 2" in out
     straight = micro_config(small_data_dir, str(tmp_path / "straight"), ckpt_every=2,
                             stop_at_step=6)
@@ -136,6 +142,46 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(small_data_dir
     shard.write_bytes(b"")
     with pytest.raises(ValueError, match="cannot be read"):
         train.main(dataclasses.replace(cfg, stop_at_step=8, resume=str(ckpt(cfg, 6))))
+
+
+def test_a_run_resumed_from_an_older_checkpoint_keeps_the_newer_one(small_data_dir, tmp_path):
+    """--resume=PATH to step 2 while step 4 exists: the branch's own step 4 is written, and
+    the first run's step 4 is kept, byte for byte, as step_0000004.replaced."""
+    cfg = micro_config(small_data_dir, str(tmp_path), ckpt_every=2, stop_at_step=4)
+    train.main(cfg)
+    before = {p.name: p.read_bytes() for p in ckpt(cfg, 4).iterdir()}
+    train.main(dataclasses.replace(cfg, resume=str(ckpt(cfg, 2)), muon_peak_lr=1e-3))
+    kept = ckpt(cfg, 4).with_name("step_0000004.replaced")
+    assert {p.name: p.read_bytes() for p in kept.iterdir()} == before
+    assert json.loads((ckpt(cfg, 4) / "train_state.json").read_text())["config"][
+        "muon_peak_lr"] == 1e-3
+
+
+def test_a_hostile_rng_file_stops_the_run_as_unsafe(small_data_dir, tmp_path):
+    """An rng_rank0.pt that torch.load(weights_only=True) refuses could run code if read
+    any other way: the run stops and names it, nothing runs, and the checkpoint stays as
+    it is (no fallback to an older one, no renaming: a person decides)."""
+    cfg = micro_config(small_data_dir, str(tmp_path), ckpt_every=2, stop_at_step=4)
+    train.main(cfg)
+    marker = tmp_path / "pwned"
+    torch.save(RunsCode(marker), ckpt(cfg, 4) / "rng_rank0.pt")
+    with pytest.raises(checkpoint.UnsafeCheckpointError,
+                       match=f"^{ckpt(cfg, 4)}/rng_rank0.pt: holds more than tensors"):
+        train.main(dataclasses.replace(cfg, stop_at_step=6))
+    assert not marker.exists()
+    assert [p.name for p in checkpoint.complete_checkpoints(cfg.out_dir)] == \
+        ["step_0000002", "step_0000004"]
+    assert records(cfg)[-1]["step"] == 4  # nothing trained
+
+
+def test_a_truncated_rng_file_is_damaged_not_unsafe(tmp_path):
+    """The other side of that line: a file cut short is damaged (fall back), not hostile."""
+    rng = tmp_path / "rng_rank0.pt"
+    torch.save(checkpoint.rng_state(), rng)
+    rng.write_bytes(rng.read_bytes()[: rng.stat().st_size // 2])
+    with pytest.raises(checkpoint.DamagedCheckpointError, match=f"^{rng}: "):
+        with checkpoint.reading(rng):
+            checkpoint.read_tensors(rng)
 
 
 def test_out_dir_that_is_a_file_is_refused(small_data_dir, tmp_path):

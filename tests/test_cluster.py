@@ -1,0 +1,356 @@
+"""The cluster path rehearsed on one CPU machine: accelerate_configs/slurm_fsdp2.sh itself on
+two "nodes" (stub `srun` and `scontrol` on PATH), a preemption delivered as SLURM delivers
+it and to the launcher alone, the micro-batch for any node count, and what train.py does
+with each key of an accelerate launch config (read through accelerate's own launcher)."""
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+from accelerate.utils.launch import prepare_multi_gpu_env
+
+import checkpoint
+import config
+import train
+from conftest import micro_config
+from test_train import (REPO, assert_weights, checkpoint_weights, cli_args, free_port,
+                        train_records)
+
+JOB_ID = "4242"
+
+# srun on one machine: the step's command once per "node", each told its SLURM_NODEID;
+# node 0 first, the others once node 0's launcher holds the rendezvous port (two launchers
+# on one address would both try to host it). Exits non-zero if any node did. It keeps its
+# arguments, NUL-separated, in srun.args; with STUB_DRY set it runs nothing.
+SRUN = """#!/bin/bash
+printf '%s\\0' "$@" > "$TMPDIR/srun.args"
+[[ -n ${STUB_DRY:-} ]] && exit 0
+while [[ $1 == --* ]]; do shift; done
+pids=()
+for ((node = 0; node < SLURM_NNODES; node++)); do
+  SLURM_NODEID=$node "$@" &
+  pids+=($!)
+  until ((node > 0)) || (exec 3<>"/dev/tcp/127.0.0.1/$MASTER_PORT") 2>/dev/null; do
+    kill -0 "${pids[0]}" 2>/dev/null || break
+    sleep 0.1
+  done
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+"""
+
+# scontrol: the allocation's first host, and a log of requeues.
+SCONTROL = """#!/bin/bash
+case $1 in
+  show) echo 127.0.0.1 ;;
+  requeue) echo "requeue $2" >> "$STUB_LOG" ;;
+esac
+"""
+
+
+def slurm_env(tmp_path: Path, nodes: int) -> dict:
+    """The environment sbatch gives the script on `nodes` nodes of 1 "GPU" each, with the
+    stubs first on PATH; they log to tmp_path/stubs.log."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+            "SLURM_JOB_ID": JOB_ID, "SLURM_JOB_NODELIST": "node[1-2]",
+            "SLURM_NNODES": str(nodes), "SLURM_GPUS_ON_NODE": "1", "SLURM_SUBMIT_DIR": str(REPO),
+            "MASTER_PORT": str(free_port()), "TMPDIR": str(tmp_path),
+            "STUB_LOG": str(tmp_path / "stubs.log")}
+
+
+def processes_of(marker: str) -> list[int]:
+    """Every live process whose command line holds `marker` (a test's unique out_dir)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if marker.encode() in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+        except OSError:  # it exited while we looked
+            continue
+    return [pid for pid in found if pid != os.getpid()]
+
+
+def all_below(pid: int) -> list[int]:
+    """Every descendant of pid, however deep, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError):  # it exited while we looked
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def wait_for_steps(cfg, n: int, proc: subprocess.Popen):
+    metrics = Path(cfg.out_dir) / "metrics.jsonl"
+    deadline = time.time() + 180
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < n:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.05)
+
+
+def preemptible(data_dir: str, out_dir: str):
+    """Long enough (120 steps, seconds) that a signal sent after step 3 lands mid-run; one
+    checkpoint, at the end."""
+    return micro_config(data_dir, out_dir, total_steps=120, stop_at_step=120, eval_every=1000,
+                        ckpt_every=1000, warmup_steps=10)
+
+
+@pytest.fixture(scope="module")
+def straight(small_data_dir, tmp_path_factory) -> dict:
+    """The preemptible run, never interrupted, in this one process: its final weights and
+    its logged losses."""
+    cfg = preemptible(small_data_dir, str(tmp_path_factory.mktemp("straight")))
+    train.main(cfg)
+    return {"weights": checkpoint_weights(cfg, 120),
+            "losses": {r["step"]: r["loss"] for r in train_records(cfg)}}
+
+
+def assert_resumed_exactly(cfg, straight: dict, stopped_at: int):
+    """The interrupted run's final weights, and every loss it logged after the stop, equal
+    the uninterrupted run's bit for bit (DDP over gloo on 2 ranks sums each gradient as one
+    process accumulating 2 micro-batches does: measured equal, not just close)."""
+    assert_weights(checkpoint_weights(cfg, 120), straight["weights"])
+    after = {r["step"]: r["loss"] for r in train_records(cfg) if r["step"] > stopped_at}
+    assert after == {step: straight["losses"][step] for step in after} and 120 in after
+
+
+def outcome(path: Path) -> tuple[str, int]:
+    word, step = path.read_text().split()
+    return word, int(step)
+
+
+# --- slurm_fsdp2.sh --------------------------------------------------------------------
+
+@pytest.mark.distributed
+def test_slurm_script_on_two_nodes_saves_on_sigterm_requeues_and_resumes_exactly(
+        small_data_dir, tmp_path, straight):
+    """The script itself, 2 nodes × 1 rank, through accelerate launch with --num_machines 2
+    and the multi-node config's c10d rendezvous. SIGTERM goes to every process of the job
+    step (the node shells, both launchers, both ranks), as SLURM's --signal sends it: the
+    step in flight is saved, the script exits 0 and requeues the job, no process is left.
+    The requeued job, the same command, resumes and ends exactly as a run never stopped."""
+    cfg = preemptible(small_data_dir, str(tmp_path / "run"))
+    env = slurm_env(tmp_path, nodes=2)
+    command = ["bash", "accelerate_configs/slurm_fsdp2.sh", *cli_args(cfg)]
+    job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    wait_for_steps(cfg, 3, job)
+    srun = next(p for p in all_below(job.pid) if b"srun" in Path(f"/proc/{p}/cmdline").read_bytes())
+    for pid in all_below(srun):
+        os.kill(pid, signal.SIGTERM)
+    output, _ = job.communicate(timeout=180)
+    assert job.returncode == 0, output[-4000:]
+    assert "micro-batch 4" in output  # 8 sequences per step over 2 ranks
+    # on a CPU the config's mixed_precision (auto: fp32) wins over the yaml's bf16, aloud
+    assert "the launch config's mixed_precision=bf16 is ignored: this run uses no" in output
+    word, stopped_at = outcome(tmp_path / f"stacklm-{JOB_ID}.node0")
+    assert word == "stopped" and 3 <= stopped_at < 120
+    assert outcome(tmp_path / f"stacklm-{JOB_ID}.node1") == ("stopped", stopped_at)
+    assert checkpoint.find(cfg.out_dir, "auto") == checkpoint.step_path(cfg.out_dir, stopped_at)
+    assert (tmp_path / "stubs.log").read_text().splitlines()[-1] == f"requeue {JOB_ID}"
+    assert processes_of(cfg.out_dir) == []
+
+    rerun = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert f"resumed from {checkpoint.step_path(cfg.out_dir, stopped_at)}" in rerun.stdout
+    assert outcome(tmp_path / f"stacklm-{JOB_ID}.node0") == ("finished", 120)
+    assert (tmp_path / "stubs.log").read_text().count("requeue") == 1  # finished: no requeue
+    assert_resumed_exactly(cfg, straight, stopped_at)
+
+
+@pytest.mark.parametrize("nodes", [3, 64])
+def test_slurm_script_refuses_a_world_that_cannot_split_the_global_batch(tmp_path, nodes):
+    """Stack-100M's 256 sequences per step split over no multiple of 3 ranks, and over no
+    more than 256 (64 nodes × 8): one line, exit 2, before any node starts."""
+    env = slurm_env(tmp_path, nodes) | {"SLURM_GPUS_ON_NODE": "8"}
+    done = subprocess.run(["bash", "accelerate_configs/slurm_fsdp2.sh"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == (f"error: {nodes * 8} ranks cannot split global_batch_tokens"
+                                   f"=524,288 (256 sequences of 2,048) evenly; use a rank count "
+                                   f"that divides that, or set --global_batch_tokens")
+    assert not (tmp_path / "srun.args").exists()  # no node started
+
+
+def test_micro_batch_fits_any_world_size():
+    """Stack-100M's 256 sequences per step, at most 32 per forward: 8 GPUs take 32 each in
+    1 micro-batch; 2 take 128 each, as 4 of 32; 64 take 4; 24 or 512 cannot split 256."""
+    cfg = config.stack100m()
+    expected = {1: 32, 2: 32, 8: 32, 16: 16, 32: 8, 64: 4, 256: 1, 24: None, 512: None}
+    assert {world: cfg.fitting_micro_batch(world) for world in expected} == expected
+    assert config.apply_overrides(cfg, {"micro_batch_size": 16}).fitting_micro_batch(2) == 16
+
+
+def test_slurm_script_passes_arguments_whole(tmp_path):
+    """"$@", not $*: a flag whose value holds spaces reaches each node's launch line as one
+    argument, after the script's own, and before the micro-batch it derived (--preset tiny:
+    16 sequences per step over 8 ranks, 2 each)."""
+    env = slurm_env(tmp_path, nodes=1) | {"SLURM_GPUS_ON_NODE": "8", "STUB_DRY": "1"}
+    done = subprocess.run(["bash", "accelerate_configs/slurm_fsdp2.sh",
+                           "--sample_prompt=def main(argv):", "--preset", "tiny"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    args = (tmp_path / "srun.args").read_text().split("\0")[:-1]
+    node_script = next(a for a in args if "accelerate launch" in a)
+    assert args[args.index(node_script) + 1:] == [
+        "bash", "--preset=stack100m", "--sample_prompt=def main(argv):", "--preset", "tiny",
+        "--micro_batch_size=2"]
+
+
+# --- a SIGTERM to the launcher alone -----------------------------------------------------
+
+@pytest.mark.distributed
+def test_sigterm_to_the_launcher_alone_saves_and_records_the_stop(small_data_dir, tmp_path,
+                                                                  straight):
+    """accelerate launch, 2 ranks; SIGTERM to the launcher only (torch's workers start
+    sessions of their own, so only the launcher gets a terminal's or a kill's signal). Its
+    elastic agent passes it on to each rank, waits for them, then exits 1 although each
+    saved and exited 0: the outcome file is what says the run stopped cleanly."""
+    cfg = preemptible(small_data_dir, str(tmp_path / "run"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", checkpoint.OUTCOME_FILE: str(tmp_path / "out")}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               "accelerate_configs/cpu_ddp.yaml", "--main_process_port", str(free_port()),
+               "train.py", *cli_args(cfg)]
+    launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    wait_for_steps(cfg, 3, launcher)
+    launcher.send_signal(signal.SIGTERM)
+    output, _ = launcher.communicate(timeout=120)
+    assert launcher.returncode == 1, output[-3000:]  # the agent re-raises the signal
+    assert output.count("stop requested after step") == 1  # rank 0 prints it
+    word, stopped_at = outcome(tmp_path / "out")
+    assert word == "stopped" and 3 <= stopped_at < 120
+    assert checkpoint.find(cfg.out_dir, "auto") == checkpoint.step_path(cfg.out_dir, stopped_at)
+    assert processes_of(cfg.out_dir) == []
+
+    train.main(cfg)  # the rerun, in one process: the 2-rank checkpoint reshards onto 1
+    assert outcome(tmp_path / "out") == ("stopped", stopped_at)  # this process has no file
+    assert_resumed_exactly(cfg, straight, stopped_at)
+
+
+@pytest.mark.distributed
+def test_a_file_damaged_for_one_rank_only_is_skipped_by_every_rank(small_data_dir, tmp_path):
+    """Rank 1's RNG file of the newest checkpoint is cut short; rank 0's reads fine. The
+    ranks vote, so both set it aside and resume from the one before (a rank resuming alone
+    would leave the other in another checkpoint's collective reads), and the 2-rank run ends
+    where one process never interrupted does."""
+    cfg = micro_config(small_data_dir, str(tmp_path / "run"), ckpt_every=2, stop_at_step=4)
+    train.main(cfg)
+    rng = (checkpoint.step_path(cfg.out_dir, 4) / "rng_rank0.pt").read_bytes()
+    (checkpoint.step_path(cfg.out_dir, 4) / "rng_rank1.pt").write_bytes(rng[: len(rng) // 2])
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               "accelerate_configs/cpu_ddp.yaml", "--main_process_port", str(free_port()),
+               "train.py", *cli_args(dataclasses.replace(cfg, stop_at_step=6))]
+    done = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "a file another rank reads is damaged; kept as" in done.stdout
+    assert f"resumed from {checkpoint.step_path(cfg.out_dir, 2)} at step 2" in done.stdout
+    straight = micro_config(small_data_dir, str(tmp_path / "straight"), ckpt_every=2,
+                            stop_at_step=6)
+    train.main(straight)
+    assert_weights(checkpoint_weights(cfg, 6), checkpoint_weights(straight, 6))
+
+
+def test_a_sigterm_after_training_still_exits_zero(small_data_dir, tmp_path, monkeypatch):
+    """A SIGTERM during the end-of-run sample (or the last evaluation) is answered like any
+    other: the run ends normally and its outcome is "finished". (Here a handler of the
+    test's own stands where the default one, which kills the process with -15, would be:
+    it sees any SIGTERM the run's own handler does not take.)"""
+    import sample
+    complete, escaped = sample.complete, []
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return complete(*args, **kwargs)
+    monkeypatch.setattr(sample, "complete", interrupted)
+    monkeypatch.setenv(checkpoint.OUTCOME_FILE, str(tmp_path / "out"))
+    previous = signal.signal(signal.SIGTERM, lambda *_: escaped.append(True))
+    try:
+        metrics = train.main(micro_config(small_data_dir, str(tmp_path / "run"), stop_at_step=4))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert escaped == [] and metrics["sample"]
+    assert outcome(tmp_path / "out") == ("finished", 4)
+
+
+# --- the launch config -----------------------------------------------------------------
+
+def launched_env(yaml_text: str, tmp_path: Path) -> dict:
+    """The environment `accelerate launch --config_file` gives its workers for this yaml,
+    made by accelerate's own launcher code."""
+    yaml = tmp_path / "launch.yaml"
+    yaml.write_text(yaml_text)
+    args = launch_command_parser().parse_args(["--config_file", str(yaml), "train.py"])
+    return prepare_multi_gpu_env(_validate_launch_command(args)[0])
+
+
+@pytest.mark.parametrize("yaml", ["fsdp2.yaml", "fsdp2_multinode.yaml", "ddp.yaml"])
+def test_the_shipped_launch_configs_pass_the_check(yaml, tmp_path):
+    text = (REPO / "accelerate_configs" / yaml).read_text()
+    env = launched_env(text, tmp_path)
+    assert config.check_launch(env, "bf16") == []
+    assert config.reshard_after_forward(env)
+    assert config.check_launch(env, "no") == [
+        "warning: the launch config's mixed_precision=bf16 is ignored: this run uses no, from "
+        "its config (--mixed_precision chooses)"]
+
+
+FSDP_YAML = (REPO / "accelerate_configs" / "fsdp2.yaml").read_text()
+
+
+@pytest.mark.parametrize("key, value", [
+    ("fsdp_offload_params", "true"), ("fsdp_activation_checkpointing", "true"),
+    ("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"), ("fsdp_state_dict_type",
+                                                          "FULL_STATE_DICT"),
+    ("fsdp_cpu_ram_efficient_loading", "false"), ("fsdp_forward_prefetch", "true"),
+    ("fsdp_version", "1"), ("fsdp_reshard_after_forward", "shard_grad_op")])
+def test_a_launch_config_key_train_py_would_not_honour_is_refused(key, value, tmp_path):
+    env = launched_env(f"{FSDP_YAML}  {key}: {value}\n", tmp_path)
+    with pytest.raises(ValueError, match=f"^launch config: {key}={value} "):
+        config.check_launch(env, "bf16")
+
+
+def test_fsdp_reshard_after_forward_false_reaches_shard_model(tmp_path):
+    """The one FSDP key with an effect: test_fsdp.py shows shard_model keeping the weights
+    gathered after the forward when it is false."""
+    env = launched_env(FSDP_YAML.replace("reshard_after_forward: true",
+                                         "reshard_after_forward: false"), tmp_path)
+    assert config.check_launch(env, "bf16") == [] and not config.reshard_after_forward(env)
+
+
+def test_dynamo_in_the_launch_config_is_refused(tmp_path):
+    env = launched_env(FSDP_YAML + "dynamo_config:\n  dynamo_backend: INDUCTOR\n", tmp_path)
+    with pytest.raises(ValueError, match="would compile the model a second time"):
+        config.check_launch(env, "bf16")
+
+
+def test_train_refuses_a_launch_key_before_any_work(small_data_dir, tmp_path, monkeypatch):
+    """Wired into train.setup: the refusal comes before data, model or out_dir."""
+    for name, value in {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
+                        "FSDP_OFFLOAD_PARAMS": "true"}.items():
+        monkeypatch.setenv(name, value)
+    cfg = micro_config(small_data_dir, str(tmp_path / "run"))
+    with pytest.raises(ValueError, match="fsdp_offload_params=true is not honoured"):
+        train.main(dataclasses.replace(cfg))
+    assert not (tmp_path / "run").exists()
