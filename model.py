@@ -237,18 +237,44 @@ class Block(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------
-# Loss head: chunked cross-entropy + z-loss that never holds the (N, V) logits
+# The loss: cross-entropy + z-loss, plainly, then the same number without the logits
 # ---------------------------------------------------------------------------------------
 
 
-class ChunkedCrossEntropyZLoss(torch.autograd.Function):
-    """CE + z·logsumexp² over the logits hidden @ weight.T, computed `chunk_size` rows at a time.
+class Loss(NamedTuple):
+    """What a training forward returns: `loss` = ce + z, the one to differentiate, and its
+    two parts, detached, for logging. Each is a mean or a sum over the non-ignored targets."""
+    loss: torch.Tensor
+    ce: torch.Tensor
+    z: torch.Tensor
 
-    Full logits for N = 65,536 tokens and V = 32,768 are 8 GiB in fp32, and autograd would
-    keep them and their gradient. Here forward keeps only each row's logsumexp (N floats),
-    and backward recomputes each chunk's logits: one extra head matmul, paid in compute
-    instead of memory (the idea of Cut Cross-Entropy, arXiv 2411.09009, and Liger's fused
-    linear CE, arXiv 2410.10989). Logits are fp32 even for bf16 inputs (fp64 for fp64).
+
+def reference_loss(logits, targets, z_loss: float, ignore_index: int = -100,
+                   reduction: str = "mean") -> Loss:
+    """The training loss, written plainly. logits (N, V), targets (N,).
+
+    ce is the cross-entropy of the targets (in nats); z is PaLM's z-loss, z_loss·lse² with
+    lse = logsumexp of a row's logits (arXiv 2204.02311, §5): it keeps the softmax
+    normaliser near 1 and the logits from drifting in bf16. Both are summed over the
+    targets that are not ignore_index and, for "mean", divided by their number.
+
+    This is what the model computes; it needs the whole (N, V) logits, 8 GiB in fp32 for
+    one Stack-100M micro-batch (N = 32 × 2,048, V = 32,768), and as much again for their
+    gradient. `fused_ce_z_loss` below computes the same number without them."""
+    kept = targets != ignore_index
+    ce = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+    z = z_loss * logits.logsumexp(dim=-1)[kept].square().sum()
+    n = kept.sum() if reduction == "mean" else 1
+    return Loss((ce + z) / n, ce.detach() / n, z.detach() / n)
+
+
+class ChunkedCrossEntropyZLoss(torch.autograd.Function):
+    """`reference_loss` of the logits hidden @ weight.T, computed `chunk_size` rows at a
+    time, so the (N, V) logits never exist. Forward keeps only each row's logsumexp (N
+    floats), and backward recomputes each chunk's logits: one extra head matmul, paid in
+    compute instead of memory (the idea of Cut Cross-Entropy, arXiv 2411.09009, and
+    Liger's fused linear CE, arXiv 2410.10989). Logits are fp32 even for bf16 inputs (fp64
+    for fp64).
 
     Per row with logits l, softmax p, lse = logsumexp(l), target y and weight g
     (g = upstream grad × 1/N_valid for "mean", 0 on ignored rows):
@@ -347,9 +373,8 @@ def head_matmul(a, b, dtype: torch.dtype, out=None):
 
 def fused_ce_z_loss(hidden, weight, targets, z_loss: float, chunk_size: int,
                     ignore_index: int = -100, reduction: str = "mean", head_dtype: str = "fp32"):
-    """Cross-entropy of `hidden @ weight.T` against `targets`, plus PaLM's z-loss
-    z_loss·logsumexp² (arXiv 2204.02311, §5), which keeps the softmax normaliser near 1 and
-    the logits from drifting in bf16.
+    """reference_loss(hidden @ weight.T, targets, z_loss), the same number without the
+    (N, V) logits (ChunkedCrossEntropyZLoss).
 
     hidden (N, C), weight (V, C), targets (N,). Returns (loss, ce, z): `loss` = ce + z is
     differentiable (gradients for hidden and weight, in their dtypes); `ce` and `z` are
@@ -368,14 +393,6 @@ def fused_ce_z_loss(hidden, weight, targets, z_loss: float, chunk_size: int,
 # ---------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------
-
-
-class Loss(NamedTuple):
-    """What a training forward returns: `loss` = ce + z, the one to differentiate, and its
-    two parts, detached, for logging. Each is a mean or a sum over the non-ignored targets."""
-    loss: torch.Tensor
-    ce: torch.Tensor
-    z: torch.Tensor
 
 
 class Transformer(nn.Module):

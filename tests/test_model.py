@@ -32,19 +32,31 @@ def small_model(seed=0, **overrides) -> M.Transformer:
     return M.Transformer(small_cfg(**overrides))
 
 
-def reference_ce_z(hidden, weight, targets, z_loss, reduction="mean"):
-    """The oracle: full logits, F.cross_entropy, and z·logsumexp² over non-ignored rows."""
-    logits = hidden @ weight.T  # (N, V)
-    valid = targets != -100
-    ce = F.cross_entropy(logits, targets, reduction="sum")
-    z = z_loss * (torch.logsumexp(logits, dim=-1)[valid] ** 2).sum()
-    divisor = valid.sum() if reduction == "mean" else 1
-    return ce / divisor, z / divisor
+def full_logits_loss(hidden, weight, targets, z_loss, reduction="mean") -> M.Loss:
+    """The oracle of the chunked head: model.reference_loss on the full (N, V) logits."""
+    return M.reference_loss(hidden @ weight.T, targets, z_loss, reduction=reduction)
 
 
 # ---------------------------------------------------------------------------------------
-# Chunked cross-entropy + z-loss
+# The loss: plainly, then chunked
 # ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_reference_loss_is_cross_entropy_plus_z_loss_by_hand(reduction):
+    """Plain math: rows (0, ln 3) → target 1 and (ln 2, 0) → target 0 have softmax
+    probabilities 3/4 and 2/3, so CE = ln 4/3 + ln 3/2 = ln 2, and logsumexp ln 4 and ln 3;
+    the third row is ignored. Differentiable through `loss` only."""
+    logits = torch.tensor([[0.0, math.log(3)], [math.log(2), 0.0], [5.0, -5.0]],
+                          dtype=torch.float64, requires_grad=True)
+    loss, ce, z = M.reference_loss(logits, torch.tensor([1, 0, -100]), 0.1, reduction=reduction)
+    n = 2 if reduction == "mean" else 1
+    assert ce.item() == pytest.approx(math.log(2) / n, rel=1e-12)
+    assert z.item() == pytest.approx(0.1 * (math.log(4) ** 2 + math.log(3) ** 2) / n, rel=1e-12)
+    assert loss.item() == pytest.approx(ce.item() + z.item(), rel=1e-12)
+    assert loss.requires_grad and not ce.requires_grad and not z.requires_grad
+    grad, = torch.autograd.grad(loss, logits)
+    assert grad[2].abs().max() == 0  # the ignored row
 
 
 def loss_inputs(dtype, n=23, d=8, v=13, seed=0):
@@ -63,11 +75,11 @@ def test_chunked_loss_and_grads_equal_full_logits_fp32(reduction):
     loss, ce, z = M.fused_ce_z_loss(hidden, weight, targets, z_loss, chunk_size=5,
                                     reduction=reduction)  # 5 does not divide 23
     grads = torch.autograd.grad(loss, (hidden, weight))
-    ref_ce, ref_z = reference_ce_z(hidden, weight, targets, z_loss, reduction)
-    ref_grads = torch.autograd.grad(ref_ce + ref_z, (hidden, weight))
-    torch.testing.assert_close(ce, ref_ce.detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(z, ref_z.detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(loss, (ref_ce + ref_z).detach(), rtol=1e-5, atol=1e-5)
+    ref = full_logits_loss(hidden, weight, targets, z_loss, reduction)
+    ref_grads = torch.autograd.grad(ref.loss, (hidden, weight))
+    torch.testing.assert_close(ce, ref.ce, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(z, ref.z, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, ref.loss.detach(), rtol=1e-5, atol=1e-5)
     for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert grads[0][[0, 5, 6, 22]].abs().max() == 0  # ignored rows get no gradient
@@ -81,7 +93,7 @@ def test_chunked_loss_gradcheck_fp64():
         return M.fused_ce_z_loss(h, w, targets, 0.1, chunk_size=4)[0]
 
     assert torch.autograd.gradcheck(loss_fn, (hidden, weight))
-    ref = sum(reference_ce_z(hidden, weight, targets, 0.1))
+    ref = full_logits_loss(hidden, weight, targets, 0.1).loss
     torch.testing.assert_close(loss_fn(hidden, weight), ref, rtol=1e-12, atol=1e-12)
 
 
@@ -94,8 +106,8 @@ def test_chunked_loss_keeps_fp32_logits_under_bf16_autocast():
     loss.backward()
     # Oracle: the same bf16 values, upcast, through fp32 full logits. A bf16 head matmul
     # would be off by ~1e-2.
-    ref = sum(reference_ce_z(hidden16.detach().float(), weight16.detach().float(), targets,
-                             1e-4))
+    ref = full_logits_loss(hidden16.detach().float(), weight16.detach().float(), targets,
+                           1e-4).loss
     assert loss.dtype == torch.float32
     torch.testing.assert_close(loss.detach(), ref, rtol=1e-5, atol=1e-5)
     assert hidden16.grad.dtype == torch.bfloat16 and weight16.grad.dtype == torch.bfloat16
@@ -110,15 +122,14 @@ def test_model_loss_parts_and_tied_gradient_match_full_logits():
     loss.backward()
     grad = model.embed.weight.grad.clone()
     model.zero_grad()
-    # Oracle: all logits from the same model, F.cross_entropy, and autograd through both
+    # Oracle: all logits from the same model, the reference loss, and autograd through both
     # uses of the tied matrix (lookup and head).
     logits = model.logits(ids)
-    ref_ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
-    lse = torch.logsumexp(logits.flatten(0, 1), -1)[targets.flatten() != -100]
-    ref_z = model.cfg.z_loss * (lse ** 2).sum()
-    (ref_ce + ref_z).backward()
-    torch.testing.assert_close(ce, ref_ce.detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(z, ref_z.detach(), rtol=1e-5, atol=1e-6)
+    ref = M.reference_loss(logits.flatten(0, 1), targets.flatten(), model.cfg.z_loss,
+                           reduction="sum")
+    ref.loss.backward()
+    torch.testing.assert_close(ce, ref.ce, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(z, ref.z, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss.detach(), ce + z)
     torch.testing.assert_close(grad, model.embed.weight.grad, rtol=1e-5, atol=1e-6)
     mean_loss = model(ids, targets=targets).loss

@@ -382,12 +382,11 @@ def test_non_finite_weights_are_never_checkpointed(small_data_dir, tmp_path, mon
 # --- the step and its metrics against independent oracles -------------------------------
 
 def reference_loss_sum(model, batch, z_loss: float) -> torch.Tensor:
-    """Σ over the valid targets of CE + z·logsumexp², from the full logits in float64:
-    F.cross_entropy for the CE, logsumexp for PaLM's z-loss (not the model's fused head)."""
+    """Σ over the valid targets of CE + z·logsumexp², from the full logits in float64
+    through model.reference_loss (F.cross_entropy underneath), not the model's fused head."""
     logits = model.logits(batch["input_ids"], batch["position_ids"], batch["seq_ids"])
     logits, targets = logits.flatten(0, 1).double(), batch["targets"].flatten()  # (N, V), (N,)
-    lse = logits.logsumexp(-1)[targets != -100]
-    return F.cross_entropy(logits, targets, reduction="sum") + z_loss * lse.square().sum()
+    return model_lib.reference_loss(logits, targets, z_loss, reduction="sum").loss
 
 
 def test_gradient_clipping_against_a_hand_clipped_gradient(small_data_dir, tmp_path,
