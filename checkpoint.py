@@ -18,7 +18,7 @@ torch.load(weights_only=True), and DCP's pickled `.metadata` through an allowlis
 `StopFlag` turns a preemption's SIGTERM into "finish the step, save, exit 0", and
 `record_outcome` tells a launch script that it did (a launcher cannot).
 
-This file imports nothing else from stacklm: it takes a model, optimizers and plain values.
+Imports from stacklm: nothing. It takes a model, optimizers and plain values.
 """
 
 import contextlib

@@ -7,22 +7,22 @@ command line (`--key=value`, `--model.key=value`), typed from the dataclass fiel
 `python config.py --world_size=N [flags]` prints the micro-batch a launch on N ranks
 should use (slurm_fsdp2.sh asks it).
 
-This file imports nothing else from stacklm.
+Imports from stacklm: cli (the one-line errors of its command).
 """
 
 import argparse
-import contextlib
 import dataclasses
 import difflib
 import json
 import math
-import os
 import shlex
-import sys
 import tomllib
 import types
 import typing
+from typing import NamedTuple
 from dataclasses import dataclass, field
+
+from cli import user_errors
 
 
 def knob(default, description: str):
@@ -212,6 +212,7 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
         self.recompute_every  # raises if activation_recompute is malformed
         self.stages(None)  # raises if a mixture or a stage is malformed
+        check_schedule(self)  # raises if the schedule cannot be laid out, or stops mid-decay
 
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro-batches per rank per optimizer step, derived so the global batch survives
@@ -240,7 +241,7 @@ class TrainConfig:
     def stages(self, decay_start: int | None) -> list[tuple[int, tuple[tuple[str, float], ...]]]:
         """The data stages, (first step, ((data_dir, weight), ...)), by step: data_dir from
         step 0, each [[data_stages]] table from its start, anneal_data_dir from decay_start
-        (optim.wsd_phases resolves it; None: its mixture is only checked). Weights are
+        (wsd_phases resolves it; None: its mixture is only checked). Weights are
         normalised to shares."""
         tables = [(0, "data_dir", self.data_dir)]
         for i, table in enumerate(self.data_stages):
@@ -287,6 +288,65 @@ class TrainConfig:
         ranks = "rank" if world_size == 1 else "ranks"
         return (f"{self.global_batch_tokens:,} tokens/step = {seqs:,} seqs × {self.seq_len:,} = "
                 f"{self.micro_batch_size} micro × {accum} accum × {world_size} {ranks}")
+
+
+# ---------------------------------------------------------------------------------------
+# The schedule's layout: warmup-stable-decay, checked with the rest of the config
+# ---------------------------------------------------------------------------------------
+
+class WSDPhases(NamedTuple):
+    """The warmup-stable-decay layout over total_steps; every field counts optimizer steps."""
+    warmup_steps: int
+    stable_steps: int
+    decay_steps: int
+    decay_start: int  # the first step of the decay leg
+
+
+def wsd_phases(cfg) -> WSDPhases:
+    """Resolve the defaults: decay_steps = round(decay_fraction·total_steps) and
+    decay_start = total_steps − decay_steps unless set."""
+    decay_steps = cfg.decay_steps
+    if decay_steps is None:
+        decay_steps = round(cfg.decay_fraction * cfg.total_steps)
+    start = cfg.total_steps - decay_steps if cfg.decay_start is None else cfg.decay_start
+    return WSDPhases(cfg.warmup_steps, start - cfg.warmup_steps, decay_steps, start)
+
+
+def format_phases(phases: WSDPhases) -> str:
+    return (f"{phases.warmup_steps:,} warmup / {phases.stable_steps:,} stable / "
+            f"{phases.decay_steps:,} decay")
+
+
+def check_schedule(cfg) -> WSDPhases:
+    """Refuse a schedule that cannot be laid out, or that would stop a run mid-decay.
+
+    The trap: stopping a long run early (stop_at_step < total_steps) to continue it later,
+    while the derived decay leg starts before the stop. The checkpoint it leaves is already
+    partly annealed, and re-warming a decayed checkpoint costs much of what decaying bought.
+    Returns the phases, for the trainer to print.
+    """
+    phases = wsd_phases(cfg)
+    warmup, decay, start = phases.warmup_steps, phases.decay_steps, phases.decay_start
+    layout = f"{format_phases(phases)} over total_steps={cfg.total_steps:,}"
+    if decay < 0:
+        raise ValueError(f"decay_steps={decay} must be >= 0")
+    if warmup + decay > cfg.total_steps:
+        raise ValueError(f"warmup_steps + decay_steps = {warmup:,} + {decay:,} exceed "
+                         f"total_steps={cfg.total_steps:,} ({layout}); shorten warmup_steps or "
+                         f"the decay leg (decay_fraction, decay_steps), or raise total_steps")
+    if phases.stable_steps < 0 or start + decay > cfg.total_steps:
+        raise ValueError(f"decay_start={start:,} does not fit between the end of warmup and "
+                         f"total_steps ({layout}); use a decay_start between {warmup:,} and "
+                         f"{cfg.total_steps - decay:,}")
+    stops_mid_decay = cfg.stop_at_step < cfg.total_steps and start < cfg.stop_at_step
+    if cfg.decay_start is None and stops_mid_decay:
+        raise ValueError(
+            f"stop_at_step={cfg.stop_at_step:,} is inside the decay leg (from step "
+            f"{start:,}; {layout}): the run would stop mid-decay, leaving an annealed "
+            f"checkpoint that is costly to re-warm; set decay_start={start:,} explicitly if "
+            f"intended, or stop_at_step={start:,} to stop at the end of the stable phase, or "
+            f"total_steps={cfg.stop_at_step:,} to fit the whole schedule into this run")
+    return phases
 
 
 def parse_mixture(spec: str, name: str = "data_dir") -> tuple[tuple[str, float], ...]:
@@ -670,21 +730,6 @@ def parse_args(argv: list[str] | None = None, default_preset: str = "stack100m")
         overrides[key.replace("-", "_")] = value
     args.given = frozenset(overrides)  # the knobs this command line (or TOML) set itself
     return apply_overrides(cfg, overrides), args
-
-
-@contextlib.contextmanager
-def user_errors(debug: bool, errors: tuple = (ValueError, OSError)):
-    """The commands' contract for what a user can fix (a bad value, a missing or unreadable
-    file): one line `error: …` on stderr and exit status 2; `debug` keeps the traceback.
-    Anything else is a bug and keeps its traceback. Under a launcher only rank 0 prints."""
-    try:
-        yield
-    except errors as e:
-        if debug:
-            raise
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 def fit_micro_batch_cli(argv=None):

@@ -50,7 +50,7 @@ IndexError deep in the model. The check is recorded in checked.json beside the m
 so that other ranks and later restarts do not hash the corpus again; the only file this
 module writes. fingerprint() names a prepared dataset.
 
-This file imports nothing else from stacklm.
+Imports from stacklm: nothing.
 """
 
 import bisect

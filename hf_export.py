@@ -18,7 +18,7 @@ logits are off by ~0.16). The folder holds config.json (with rope_theta and
 rope_parameters, which transformers 4.57 and 5 read respectively), generation_config.json,
 model.safetensors (the tied embedding written once), and a tokenizer that 4.57 and 5 load.
 
-This file imports nothing from stacklm but config.py and data.py's EOS token.
+Imports from stacklm: config (the model's shape) and data (the EOS token).
 """
 
 import json

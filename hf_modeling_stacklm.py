@@ -6,6 +6,8 @@ Stack-100M's shape, QK-norm and NoPE layers together, as a Qwen3 subclass.
 Qwen3 has the per-head QK-norm before RoPE that stacklm has. The one difference is that
 every `no_rope_layers[i] == 0` layer skips the rotation: it sees cos = 1 and sin = 0, the
 identity rotation, and is otherwise Qwen3's attention, weights and names unchanged.
+
+Imports from stacklm: nothing (transformers loads this file on its own, from the export).
 """
 
 import torch

@@ -16,7 +16,7 @@ Shape letters: B batch, T tokens in a row, S keys (T, or the cache length when
 generating), C model width (d_model), H query heads, K key/value heads, D head dim,
 V vocabulary, N = B·T rows of the loss head.
 
-This file imports nothing from stacklm but config.py.
+Imports from stacklm: config (the model's shape).
 """
 
 import functools

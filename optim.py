@@ -11,15 +11,17 @@
   arXiv 2404.06395) as a pure function of the step; `check_schedule` refuses layouts that
   would stop a run in the middle of its decay; `wsd_phases` lays the schedule out.
 
-This file imports nothing else from stacklm: it takes a model and a config object.
+Imports from stacklm: config (the schedule's layout). It takes a model and a config
+object.
 """
 
 import math
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
+
+from config import format_phases, wsd_phases
 
 # ---------------------------------------------------------------------------------------
 # Muon
@@ -396,14 +398,6 @@ class Optimizers:
 # Warmup-stable-decay schedule (arXiv 2404.06395)
 # ---------------------------------------------------------------------------------------
 
-class WSDPhases(NamedTuple):
-    """The warmup-stable-decay layout over total_steps; every field counts optimizer steps."""
-    warmup_steps: int
-    stable_steps: int
-    decay_steps: int
-    decay_start: int  # the first step of the decay leg
-
-
 # Each maps progress p in [0, 1] through the decay leg to a fraction of the way from
 # final_frac up to 1. "sqrt" is the 1-sqrt cooldown of Hägele et al. 2024 (arXiv
 # 2405.18392), which they found to beat linear and cosine cooldowns of the same length.
@@ -412,21 +406,6 @@ DECAY_SHAPES = {
     "sqrt": lambda p: 1.0 - math.sqrt(p),
     "cosine": lambda p: 0.5 * (1.0 + math.cos(math.pi * p)),
 }
-
-
-def wsd_phases(cfg) -> WSDPhases:
-    """Resolve the defaults: decay_steps = round(decay_fraction·total_steps) and
-    decay_start = total_steps − decay_steps unless set."""
-    decay_steps = cfg.decay_steps
-    if decay_steps is None:
-        decay_steps = round(cfg.decay_fraction * cfg.total_steps)
-    start = cfg.total_steps - decay_steps if cfg.decay_start is None else cfg.decay_start
-    return WSDPhases(cfg.warmup_steps, start - cfg.warmup_steps, decay_steps, start)
-
-
-def format_phases(phases: WSDPhases) -> str:
-    return (f"{phases.warmup_steps:,} warmup / {phases.stable_steps:,} stable / "
-            f"{phases.decay_steps:,} decay")
 
 
 def schedule_summary(cfg) -> str:
@@ -453,35 +432,3 @@ def lr_multiplier(step: int, cfg) -> float:
     # decay_steps 0: no leg, the multiplier drops straight to final_frac
     progress = min(1.0, (step - phases.decay_start) / max(phases.decay_steps, 1))
     return cfg.final_frac + (1.0 - cfg.final_frac) * DECAY_SHAPES[cfg.decay_shape](progress)
-
-
-def check_schedule(cfg) -> WSDPhases:
-    """Refuse a schedule that cannot be laid out, or that would stop a run mid-decay.
-
-    The trap: stopping a long run early (stop_at_step < total_steps) to continue it later,
-    while the derived decay leg starts before the stop. The checkpoint it leaves is already
-    partly annealed, and re-warming a decayed checkpoint costs much of what decaying bought.
-    Returns the phases, for the trainer to print.
-    """
-    phases = wsd_phases(cfg)
-    warmup, decay, start = phases.warmup_steps, phases.decay_steps, phases.decay_start
-    layout = f"{format_phases(phases)} over total_steps={cfg.total_steps:,}"
-    if decay < 0:
-        raise ValueError(f"decay_steps={decay} must be >= 0")
-    if warmup + decay > cfg.total_steps:
-        raise ValueError(f"warmup_steps + decay_steps = {warmup:,} + {decay:,} exceed "
-                         f"total_steps={cfg.total_steps:,} ({layout}); shorten warmup_steps or "
-                         f"the decay leg (decay_fraction, decay_steps), or raise total_steps")
-    if phases.stable_steps < 0 or start + decay > cfg.total_steps:
-        raise ValueError(f"decay_start={start:,} does not fit between the end of warmup and "
-                         f"total_steps ({layout}); use a decay_start between {warmup:,} and "
-                         f"{cfg.total_steps - decay:,}")
-    stops_mid_decay = cfg.stop_at_step < cfg.total_steps and start < cfg.stop_at_step
-    if cfg.decay_start is None and stops_mid_decay:
-        raise ValueError(
-            f"stop_at_step={cfg.stop_at_step:,} is inside the decay leg (from step "
-            f"{start:,}; {layout}): the run would stop mid-decay, leaving an annealed "
-            f"checkpoint that is costly to re-warm; set decay_start={start:,} explicitly if "
-            f"intended, or stop_at_step={start:,} to stop at the end of the stable phase, or "
-            f"total_steps={cfg.stop_at_step:,} to fit the whole schedule into this run")
-    return phases

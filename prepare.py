@@ -30,9 +30,8 @@ Safe. Everything is written into `<out>.tmp` and renamed to `<out>` when complet
 interrupted run leaves no directory that data.py would read, and a prepared directory (or
 the source folder itself) is never written into: a rerun there is refused.
 
-Imports from stacklm: data.py for the format it writes (the EOS token, the file names, the
-format version, the token dtype rule) and the --verify check; config.py for the one-line
-error handler of the command line.
+Imports from stacklm: data (the format it writes: the EOS token, the file names, the format
+version, the token dtype rule; and the --verify check) and cli (the one-line errors).
 """
 
 import argparse
@@ -55,7 +54,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
-from config import user_errors
+from cli import user_errors
 from data import EOS_TOKEN, FORMAT_VERSION, MANIFEST, TOKENIZER_FILE, token_dtype, verify
 
 DEFAULT_SHARD_TOKENS = 2**26  # 128 MiB of uint16 per file

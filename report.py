@@ -3,8 +3,9 @@ log step (loss, gradient norm, learning rates, tokens/s, TFLOP/s, MFU, memory, E
 terminal, metrics.jsonl and Weights & Biases.
 
 Every value the logger gets is already global (reduced across ranks by the loop); only the
-main process writes. This file imports nothing else from stacklm: it takes a config object
-and plain numbers.
+main process writes.
+
+Imports from stacklm: nothing. It takes a config object and plain numbers.
 """
 
 import dataclasses
@@ -239,8 +240,9 @@ class MetricsLogger:
 
 
 def train_line(record: dict, lrs: dict[str, float], has_peak: bool) -> str:
-    """E.g. `step 100 | loss 4.2824 (ce 4.2741 z 8.27e-03) | gnorm 0.946 | lr muon 3.00e-03
-    adamw 6.00e-03 | 3,066 tok/s | 0.08 TFLOP/s | MFU n/a | mem 1.39 GiB | …`."""
+    """E.g. `step 100 | loss 4.0663 (ce 4.0574 z 8.93e-03) | gnorm 0.909 | lr muon 6.00e-03
+    adamw 3.00e-03 | 5,649 tok/s | 0.14 TFLOP/s | MFU n/a | mem 1.47 GiB | …` (the tiny run's
+    step 100, README's "What a run looks like")."""
     mfu = f"{record['mfu']:.1%} ({record['mfu_palm']:.1%} palm)" if has_peak else "n/a"
     rates = " ".join(f"{name} {lr:.2e}" for name, lr in lrs.items())
     return (f"step {record['step']:>6,} | loss {record['loss']:.4f} (ce {record['ce']:.4f} "

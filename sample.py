@@ -6,6 +6,8 @@
 The export directory (written by `python train.py --export`) holds model.pt (a
 Transformer state_dict), config.json (the StackConfig) and tokenizer.json. A missing or
 damaged export is one line on stderr and exit status 2; --debug shows the traceback.
+
+Imports from stacklm: cli, config, data and model.
 """
 
 import argparse
@@ -17,7 +19,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from config import StackConfig, user_errors
+from cli import user_errors
+from config import StackConfig
 from data import EOS_TOKEN
 from model import Transformer
 

@@ -20,6 +20,9 @@ numbers of targets (masked targets, ignore_index = -100, such as padding or prom
 in other loaders), so a mean of per-micro-batch means would weight a token by the size of
 the micro-batch it landed in. So each micro-batch returns the *sum* of its token losses,
 and the target tokens of the whole global batch are counted before any backward pass.
+
+Imports from stacklm: checkpoint, cli, config, data, hf_export, model, optim, prepare,
+report and sample: it composes them.
 """
 
 import dataclasses
@@ -44,6 +47,7 @@ import optim
 import prepare
 import report
 import sample
+from cli import user_errors
 from config import TrainConfig
 from model import Transformer, flops_per_token
 
@@ -139,7 +143,7 @@ def train(run: Run, stop: checkpoint.StopFlag) -> dict:
 def setup(cfg: TrainConfig) -> Run:
     """Accelerator, data, model, optimizers, and the checkpoint to resume from. Every
     config and data mistake fails here, before any compute."""
-    phases = optim.check_schedule(cfg)
+    phases = config.wsd_phases(cfg)  # the config checked it when it was made
     candidates = checkpoint.resume_candidates(cfg.out_dir, cfg.resume)  # refuses overwrites
     launch_warnings = config.check_launch(os.environ, precision(cfg))  # refuses dead keys
     accelerator = make_accelerator(cfg)
@@ -382,7 +386,7 @@ def save_checkpoint(run: Run):
              "config": dataclasses.asdict(run.cfg)}
     # Never pruned: the checkpoints where a stage begins and where the decay leg begins, the
     # branch points of anneals (WSD's point).
-    keep = {stage.start for stage in run.stages} | {optim.wsd_phases(run.cfg).decay_start}
+    keep = {stage.start for stage in run.stages} | {config.wsd_phases(run.cfg).decay_start}
     checkpoint.save(run.accelerator, run.accelerator.unwrap_model(run.model),
                     list(run.optimizers.named.values()), state, run.cfg.out_dir,
                     run.cfg.keep_last_ckpts, keep)
@@ -552,7 +556,7 @@ def cli(argv=None):
     prints it."""
     argv = sys.argv[1:] if argv is None else argv
     default = "stack100m" if torch.cuda.is_available() else "tiny"
-    with config.user_errors("--debug" in argv, USER_ERRORS):
+    with user_errors("--debug" in argv, USER_ERRORS):
         cfg, args = config.parse_args(argv, default_preset=default)
         if args.preset is None and default == "tiny":
             print("no CUDA GPU found: running the `tiny` preset on the CPU "

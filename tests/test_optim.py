@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import optim
-from config import StackConfig, TrainConfig, tiny_model
-from optim import (Muon, Optimizers, WSDPhases, build_optimizers, check_schedule, format_phases,
-                   lr_multiplier, lr_scale, newton_schulz, schedule_summary, wsd_phases)
+from config import (StackConfig, TrainConfig, WSDPhases, check_schedule, format_phases,
+                    tiny_model, wsd_phases)
+from optim import (Muon, Optimizers, build_optimizers, lr_multiplier, lr_scale, newton_schulz,
+                   schedule_summary)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -547,19 +548,18 @@ def test_explicit_decay_start_moves_the_leg():
 
 
 def test_refuses_a_run_that_would_stop_mid_decay():
-    cfg = TrainConfig(total_steps=38_147, stop_at_step=36_000)
+    """Refused when the config is made (TrainConfig validates its schedule), not later."""
     with pytest.raises(ValueError, match=r"stop_at_step=36,000 is inside the decay leg .*"
                        r"2,000 warmup / 32,332 stable / 3,815 decay.*set decay_start=34,332 "
                        r"explicitly if intended, or stop_at_step=34,332"):
-        check_schedule(cfg)
+        TrainConfig(total_steps=38_147, stop_at_step=36_000)
     check_schedule(TrainConfig(total_steps=38_147, stop_at_step=36_000, decay_start=34_332))
 
 
 def test_refuses_warmup_and_decay_longer_than_the_run():
-    cfg = TrainConfig(total_steps=3_000, stop_at_step=3_000, warmup_steps=2_000,
-                      decay_fraction=0.5)
     with pytest.raises(ValueError, match=r"2,000 \+ 1,500 exceed total_steps=3,000"):
-        check_schedule(cfg)
+        TrainConfig(total_steps=3_000, stop_at_step=3_000, warmup_steps=2_000,
+                    decay_fraction=0.5)
 
 
 def test_refuses_a_decay_leg_outside_the_run():
