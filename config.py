@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from cli import user_errors
 
 
-def knob(default, description: str):
-    """A config field and its one-line description, the only one: `--help` prints it."""
-    return field(default=default, metadata={"help": description})
+def knob(default, description: str, section: str | None = None):
+    """A config field and its one-line description, the only one: `--help` prints it. A
+    `section` opens a group of knobs there (`--help` prints the groups as they read here)."""
+    return field(default=default, metadata={"help": description, "section": section})
 
 
 # The knobs that take one of a few words; `validate` refuses any other and `--help` lists them.
@@ -101,20 +102,23 @@ class TrainConfig:
 
     model: StackConfig = field(default_factory=StackConfig,
                                metadata={"help": "the decoder's shape"})
-    # data and outputs
     data_dir: str = knob("data/stdlib-32k", "prepared data (`python prepare.py`), or a mixture "
-                                            "by shares of the tokens: dirA:7,dirB:2,dirC:1")
+                                            "by shares of the tokens: dirA:7,dirB:2,dirC:1",
+                         section="data and outputs")
     anneal_data_dir: str | None = knob(None, "the mixture from decay_start on, same syntax (the "
                                              "decay phase as mid-training, arXiv 2404.06395)")
     data_stages: tuple[dict, ...] = knob((), "more stages, in a TOML file only: [[data_stages]] "
                                              "with start = STEP and data_dir = MIXTURE")
     out_dir: str = knob("out/stack100m", "checkpoints (out_dir/ckpt), metrics.jsonl, export")
-    # batch: the global batch is fixed in tokens; gradient accumulation is derived from it
-    seq_len: int = knob(2048, "tokens per training sequence")
+    seq_len: int = knob(2048, "tokens per training sequence",
+                        section="batch: the global batch is fixed in tokens; gradient "
+                                "accumulation is derived from it")
     micro_batch_size: int = knob(32, "sequences per forward pass on one rank")
     global_batch_tokens: int = knob(524_288, "tokens per optimizer step, all ranks together")
-    # schedule: warmup-stable-decay (WSD, arXiv 2404.06395), in optimizer steps
-    total_steps: int = knob(38_147, "the full run the schedule is laid out for (20B tokens)")
+    total_steps: int = knob(38_147, "the full run the schedule is laid out for (stack100m: "
+                                    "20B tokens)",
+                            section="schedule: warmup-stable-decay (WSD, arXiv 2404.06395), in "
+                                    "optimizer steps")
     stop_at_step: int = knob(34_332, "where this run stops (stack100m: end of the stable phase)")
     warmup_steps: int = knob(2_000, "linear warmup length, in optimizer steps")
     decay_fraction: float = knob(0.1, "decay leg as a fraction of total_steps, when "
@@ -125,8 +129,9 @@ class TrainConfig:
                                          "total_steps-decay_steps")
     decay_shape: str = knob("sqrt", "shape of the decay leg (sqrt: 1-sqrt, arXiv 2405.18392)")
     final_frac: float = knob(0.0, "lr multiplier at the end of the decay leg")
-    # optimizers: Muon on hidden matrices, AdamW on embedding and gains
-    adamw_peak_lr: float = knob(3e-3, "AdamW's peak lr (embedding, gains; matrices too if adamw)")
+    adamw_peak_lr: float = knob(3e-3, "AdamW's peak lr (embedding, gains; matrices too if adamw)",
+                                section="optimizers: Muon on hidden matrices, AdamW on embedding "
+                                        "and gains")
     # The unit of muon_peak_lr: with muon_adjust_lr=match_rms_adamw, Muon's step on an (A, B)
     # matrix is lr·0.2·√max(A, B)·O, and an orthogonal O has entry RMS 1/√max(A, B), so the
     # update's RMS is 0.2·lr, the scale of an AdamW update (Moonlight, arXiv 2502.16982):
@@ -145,16 +150,17 @@ class TrainConfig:
     betas: tuple[float, float] = knob((0.9, 0.95), "AdamW's (beta1, beta2)")
     grad_clip: float = knob(1.0, "max global grad norm; 0 disables clipping")
     max_bad_steps: int = knob(5, "consecutive non-finite steps before the run stops")
-    # hardware; "auto" picks the fast choice on CUDA and the safe one on CPU
-    seed: int = knob(1337, "seeds the initial weights, the data order and the sample")
+    seed: int = knob(1337, "seeds the initial weights, the data order and the sample",
+                     section="hardware and numerics: auto picks the fast choice on CUDA and "
+                             "the safe one on a CPU")
     compile_model: str = knob("auto", "torch.compile the model (auto: on CUDA only)")
     mixed_precision: str = knob("auto", "autocast (auto: bf16 on CUDA, no on CPU)")
     loss_head_dtype: str = knob("fp32", "loss-head matmul inputs; bf16 keeps fp32 accumulation, "
                                         "logits and logsumexp")
     activation_recompute: str = knob("none", "none | full | every-N: blocks recomputed in "
                                              "backward instead of stored")
-    # logging, evaluation, checkpoints
-    log_every: int = knob(10, "optimizer steps between log lines")
+    log_every: int = knob(10, "optimizer steps between log lines",
+                          section="logging, evaluation, checkpoints")
     eval_every: int = knob(1_000, "optimizer steps between validation evaluations")
     eval_tokens: int = knob(4_194_304, "validation tokens per evaluation")
     ckpt_every: int = knob(1_000, "optimizer steps between checkpoints")
@@ -662,12 +668,15 @@ def _flatten_toml(table: dict) -> dict:
     return flat
 
 
-def _knob_rows(defaults, prefix: str) -> list[tuple[str, str]]:
-    """(`--name=default`, description) for each knob of a config; the default is quoted as a
-    shell needs it (`--sample_prompt='def '`), so each line can be pasted as it reads."""
+def _knob_rows(defaults, prefix: str) -> list[tuple[str | None, str]]:
+    """(`--name=default`, description) for each knob of a config, and (None, title) where a
+    section opens; the default is quoted as a shell needs it (`--sample_prompt='def '`), so
+    each line can be pasted as it reads."""
     rows = []
     for f in dataclasses.fields(defaults):
         if f.name != "model":
+            if f.metadata.get("section"):
+                rows.append((None, f.metadata["section"]))
             choices = " | ".join(CHOICES.get(f.name, ()))
             description = f.metadata.get("help", "")
             rows.append((f"--{prefix}{f.name}={shlex.quote(str(getattr(defaults, f.name)))}",
@@ -675,22 +684,27 @@ def _knob_rows(defaults, prefix: str) -> list[tuple[str, str]]:
     return rows
 
 
-def _help_text() -> str:
-    """The epilog of --help: one line per knob, `--name=default` beside its description."""
-    run = TrainConfig()
-    run_rows, model_rows = _knob_rows(run, ""), _knob_rows(run.model, "model.")
-    width = max(len(flag) for flag, _ in run_rows + model_rows)
+def _help_text(preset: str) -> str:
+    """The epilog of --help: the knobs in their groups, one line per knob, `--name=default`
+    (the defaults of `preset`) beside its description."""
+    run = PRESETS[preset]()
     model_help = {f.name: f for f in dataclasses.fields(run)}["model"].metadata["help"]
-    return "\n".join(["knobs (defaults of the stack100m preset):",
-                      *(f"  {flag:<{width}}  {text}" for flag, text in run_rows),
-                      f"model knobs ({model_help}):",
-                      *(f"  {flag:<{width}}  {text}" for flag, text in model_rows)])
+    rows = _knob_rows(run, "") + [(None, f"model: {model_help}")] + _knob_rows(run.model,
+                                                                                  "model.")
+    width = max(len(flag) for flag, _ in rows if flag)
+    lines = [f"knobs, with the defaults of the {preset} preset (--preset P --help shows P's):"]
+    for flag, text in rows:
+        lines.append(f"  {flag:<{width}}  {text}" if flag else f"\n {text}")
+    return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None, default_preset: str = "stack100m"):
     """CLI -> (TrainConfig, actions). Order of precedence: preset < TOML file < flags."""
+    presets = argparse.ArgumentParser(add_help=False)
+    presets.add_argument("--preset", choices=sorted(PRESETS), default=default_preset)
+    shown = presets.parse_known_args(argv)[0].preset  # --help lists this preset's defaults
     parser = argparse.ArgumentParser(
-        description="Pretrain a Stack-100M-style decoder.", epilog=_help_text(),
+        description="Pretrain a Stack-100M-style decoder.", epilog=_help_text(shown),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help=f"starting point (default: {default_preset})")

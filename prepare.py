@@ -557,9 +557,10 @@ def main(argv=None):
     parser.add_argument("--vocab_size", type=int, default=32768,
                         help="BPE vocabulary size to train, including EOS (default 32768)")
     parser.add_argument("--tokenizer", help="reuse this tokenizer.json instead of training one, "
-                        "so corpora share a vocabulary")
+                        "so corpora share a vocabulary (default: train one)")
     parser.add_argument("--text_field", default="text",
-                        help="field holding the text in .jsonl lines and datasets")
+                        help="field holding the text in .jsonl lines and datasets (default "
+                             "text)")
     parser.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS,
                         help=f"tokens per shard file (default {DEFAULT_SHARD_TOKENS:,})")
     parser.add_argument("--val_fraction", type=float, default=0.01,

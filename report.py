@@ -97,6 +97,12 @@ class Hardware:
     compiled: bool
 
 
+# What the log's mem column measures, as the banner says beside its estimate.
+MEM_COLUMN = {"cuda": "the log's mem column is the measured peak of allocated tensors",
+              "cpu": "on a CPU the log's mem column is the process's peak resident memory, "
+                     "the Python runtime and libraries included: not comparable to this"}
+
+
 def banner(cfg, hardware: Hardware, n_params: int, n_muon: int, optimizers: str,
            schedule: str, flops: dict[str, float], plan: list[dict], revision: str) -> str:
     """Everything a practitioner checks before trusting a run, with units.
@@ -122,7 +128,9 @@ def banner(cfg, hardware: Hardware, n_params: int, n_muon: int, optimizers: str,
         f"code: {revision}",
         "memory estimate per rank: " + " + ".join(
             f"{k} {v:.2f}" for k, v in budget.items() if k != "total")
-        + f" = {budget['total']:.2f} GiB (the log's mem column is the measured peak)",
+        + f" = {budget['total']:.2f} GiB ({MEM_COLUMN[hardware.device.split(':')[0]]})",
+        "loss: cross-entropy + z-loss in nats per target token; val_loss is the cross-entropy "
+        "alone; val_bpb is bits per byte of the target text",
     ]
     return "\n".join(lines)
 

@@ -68,6 +68,27 @@ class Run:
     new_sources: bool = False  # a resume added sources: evaluate them before training on
     revision: str = "unknown"  # the git revision of the code that runs (report.code_revision)
 
+    def state_dict(self) -> dict:
+        """What a checkpoint's train_state.json holds (checkpoint.py writes the weights, the
+        optimizers and the RNGs beside it): the counters and the loader's cursor, which a
+        resume restores, and what it checks the resuming run against."""
+        first = next(iter(self.manifests.values()))
+        return {"step": self.step, "tokens_seen": self.tokens_seen,
+                "skipped_steps": self.skipped_steps, "loader": self.loader.state_dict(),
+                "world_size": self.accelerator.num_processes, "stages": self.stages,
+                "tokenizer_sha256": first["tokenizer"]["sha256"],
+                "revision": self.revision,  # the code that trained it
+                "config": dataclasses.asdict(self.cfg)}
+
+    def load_state_dict(self, state: dict):
+        """Restore the counters and the loader's cursor from a state_dict (load_checkpoint
+        checks first that it fits this run); the loader refuses changed sources."""
+        saved = loader_state(state)
+        self.loader.load_state_dict(saved)
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.skipped_steps = state.get("skipped_steps", 0)
+        self.new_sources = bool(set(self.loader.sources) - set(saved["consumed"]))
+
 
 def main(cfg: TrainConfig) -> dict:
     """Train as `cfg` says; return the last logged metrics and the final evaluation."""
@@ -86,19 +107,29 @@ def main(cfg: TrainConfig) -> dict:
 
 def train(run: Run, stop: checkpoint.StopFlag) -> dict:
     """The loop, from run.step to cfg.stop_at_step or to a stop request; the last logged
-    metrics and evaluation."""
+    metrics and evaluation. Each pass first evaluates and saves the step it has reached,
+    when due, then trains one step; the last step is evaluated and saved by the same lines
+    as every other, and ends the loop (nanochat's `last_step`)."""
     cfg = run.cfg
     # every source shares one tokenizer (ensure_data checks), so one byte table serves all
     token_bytes = data.token_bytes(run.stages[0].sources[0][0]).to(run.accelerator.device)
     bad_steps = 0  # consecutive steps whose update was skipped (non-finite loss or norm)
-    last_eval, last_ckpt, train_seconds, metrics = None, run.step, 0.0, {}
+    first_step, last_ckpt, train_seconds, metrics = run.step, run.step, 0.0, {}
     with make_logger(run) as logger:
-        while run.step < cfg.stop_at_step:
+        while True:
+            last_step = run.step == cfg.stop_at_step
             # A source new to a resumed run is evaluated at once: its curve has a before.
-            if (run.step % cfg.eval_every == 0 or run.new_sources) and last_eval != run.step:
+            if run.step % cfg.eval_every == 0 or last_step or run.new_sources:
                 metrics.update(validate(run, token_bytes))
                 logger.log_eval(run.step, metrics)
-                last_eval = run.step
+            # Not the step just resumed from (it is saved), and never during a non-finite
+            # streak: the weights may already be the damage.
+            if (run.step % cfg.ckpt_every == 0 or last_step) and run.step != first_step \
+                    and bad_steps == 0:
+                save_checkpoint(run)
+                last_ckpt = run.step
+            if last_step:
+                return metrics
 
             # The learning rate is a pure function of the step (never a prepared scheduler:
             # accelerate would step it once per process), and so is the data stage.
@@ -122,22 +153,13 @@ def train(run: Run, stop: checkpoint.StopFlag) -> dict:
                                                 run.tokens_seen, run.skipped_steps,
                                                 train_seconds, run.loader.tokens_read()))
                 logger.log_epochs(run.loader.take_new_epochs())
-            # Never during a non-finite streak: the weights may already be the damage.
-            if (run.step % cfg.ckpt_every == 0 or result["stop"]) and bad_steps == 0:
-                save_checkpoint(run)
-                last_ckpt = run.step
-            if result["stop"]:
+            if result["stop"]:  # a signal: save this step (no evaluation), and stop
+                if bad_steps == 0:
+                    save_checkpoint(run)
                 run.accelerator.print(f"stop requested after step {run.step:,}; the newest "
                                       f"checkpoint is {checkpoint.newest(cfg.out_dir)}; run "
                                       f"the same command again to resume")
                 return metrics
-
-        if last_eval != run.step:
-            metrics.update(validate(run, token_bytes))
-            logger.log_eval(run.step, metrics)
-        if last_ckpt != run.step and bad_steps == 0:
-            save_checkpoint(run)
-    return metrics
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -191,7 +213,7 @@ def train_step(run: Run, stop: checkpoint.StopFlag) -> dict:
     scale = accum * world / n_tokens.float()
     sums = torch.zeros(3, device=accelerator.device)  # loss, ce, z summed over tokens
     for batch in batches:
-        batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
+        batch = to_device(batch, accelerator.device)
         with accelerator.accumulate(model):
             loss, ce, z = model(**batch, reduction="sum")
             accelerator.backward(loss * scale)
@@ -211,6 +233,16 @@ def train_step(run: Run, stop: checkpoint.StopFlag) -> dict:
     stop_votes = accelerator.reduce(stop.tensor(accelerator.device), "sum")
     return {"loss": loss, "ce": ce, "z": z, "grad_norm": grad_norm, "skipped": skipped,
             "stop": stop_votes.item() > 0, "seconds": time.perf_counter() - t0}
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """A batch's (B, T) tensors on `device`. For a GPU they are first copied into pinned
+    (page-locked) host memory, as nanoGPT does: only from there does a non_blocking copy
+    run asynchronously, overlapping the GPU's work on the previous micro-batch; from
+    ordinary memory it waits. On a CPU there is nothing to copy."""
+    if device.type != "cuda":
+        return batch
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def validate(run: Run, token_bytes: torch.Tensor) -> dict:
@@ -377,18 +409,13 @@ def make_logger(run: Run) -> report.MetricsLogger:
 
 
 def save_checkpoint(run: Run):
-    """out_dir/ckpt/step_XXXXXXX: weights, optimizers, RNGs, all a bitwise resume needs."""
-    first = next(iter(run.manifests.values()))
-    state = {"step": run.step, "tokens_seen": run.tokens_seen, "skipped_steps": run.skipped_steps,
-             "loader": run.loader.state_dict(), "world_size": run.accelerator.num_processes,
-             "stages": run.stages, "tokenizer_sha256": first["tokenizer"]["sha256"],
-             "revision": run.revision,  # the code that trained it
-             "config": dataclasses.asdict(run.cfg)}
+    """out_dir/ckpt/step_XXXXXXX: weights, optimizers, RNGs and run.state_dict(), all a
+    bitwise resume needs."""
     # Never pruned: the checkpoints where a stage begins and where the decay leg begins, the
     # branch points of anneals (WSD's point).
     keep = {stage.start for stage in run.stages} | {config.wsd_phases(run.cfg).decay_start}
     checkpoint.save(run.accelerator, run.accelerator.unwrap_model(run.model),
-                    list(run.optimizers.named.values()), state, run.cfg.out_dir,
+                    list(run.optimizers.named.values()), run.state_dict(), run.cfg.out_dir,
                     run.cfg.keep_last_ckpts, keep)
 
 
@@ -441,13 +468,9 @@ def load_checkpoint(run: Run, path: Path):
         run.accelerator.print(line)
     for name, old, new in config.resume_changes(run.cfg, state["config"]):
         run.accelerator.print(f"resume: {name} {old} → {new}")
-    saved = loader_state(state)
-    run.loader.load_state_dict(saved)  # refuses changed sources: before any I/O
+    run.load_state_dict(state)  # the loader refuses changed sources: before any I/O
     checkpoint.load(run.accelerator, run.accelerator.unwrap_model(run.model),
                     list(run.optimizers.named.values()), path)
-    run.step, run.tokens_seen = state["step"], state["tokens_seen"]
-    run.skipped_steps = state.get("skipped_steps", 0)
-    run.new_sources = bool(set(run.loader.sources) - set(saved["consumed"]))
 
 
 def loader_state(state: dict) -> dict:

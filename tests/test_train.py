@@ -552,11 +552,11 @@ def test_tokenizer_larger_than_model_vocab_is_refused(small_data_dir, tmp_path):
         train.main(cfg)
 
 
-def test_schedule_trap_is_refused_before_any_work(tmp_path):
-    cfg = micro_config(str(tmp_path / "nowhere"), str(tmp_path), total_steps=100,
-                       stop_at_step=95, decay_fraction=0.1)  # would stop mid-decay
-    with pytest.raises(ValueError, match="decay"):
-        train.main(cfg)
+def test_schedule_trap_is_refused_when_the_config_is_made(tmp_path):
+    """Before any work: the config itself refuses, so train.main never sees it."""
+    with pytest.raises(ValueError, match="inside the decay leg"):
+        micro_config(str(tmp_path / "nowhere"), str(tmp_path), total_steps=100,
+                     stop_at_step=95, decay_fraction=0.1)  # would stop mid-decay
 
 
 # --- outputs ----------------------------------------------------------------------------
