@@ -1,13 +1,21 @@
 """Peak memory and time of the loss head, chunked versus full logits. Prints one JSON line.
 
-    python bench/ce_memory.py            # B·T=16384, V=32768, d=512, chunks of 1024 rows
+    python bench/ce_memory.py                   # 16,384 and 32,768 rows, chunks of 1,024 and 4,096
+    python bench/ce_memory.py --rows 65536 --chunks 4096   # a Stack-100M micro-batch (32 × 2,048)
+
+V = 32,768 and d = 512 are Stack-100M's, and so is a chunk of 4,096 rows (ce_chunk_size).
+65,536 rows is for a GPU: full logits there need about 24 GiB (twice 32,768 rows' 12 GiB).
 
 "naive" is hidden @ weight.T in fp32 followed by F.cross_entropy (no z-loss, so the
-comparison flatters it slightly); "chunked" is model.fused_ce_z_loss with z-loss. Both run
-loss + backward for the hidden states and the head weight. Each call runs in its own
-subprocess, so its peak RSS (ru_maxrss, a high-water mark) is its own, measured above the
-RSS once the inputs exist. The two paths alternate for `--rounds` rounds and the median
-time of each is reported, so a change in the machine's load hits both alike.
+comparison flatters it slightly), measured once per row count since it has no chunks;
+"chunked" is model.fused_ce_z_loss with z-loss, at each chunk size. Both run loss + backward
+for the hidden states and the head weight. Each call runs in its own subprocess, so its peak
+is its own, measured above the memory once the inputs exist: on a CPU the peak RSS (ru_maxrss,
+a high-water mark), on a GPU torch.cuda.max_memory_allocated. The calls alternate for
+`--rounds` rounds and the median time of each is reported, so a change in the machine's load
+hits all alike. The line: {"results": [{"path", "rows", "chunk_size", "peak_mib", "seconds"},
+...]}, where each chunked result also has memory_ratio (naive's peak over its own) and
+time_ratio (its time over naive's), naive's at the same rows.
 """
 
 import argparse
@@ -25,8 +33,13 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import fused_ce_z_loss  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-def peak_rss_mib() -> float:
+
+def peak_mib() -> float:
+    """The process's high-water mark so far: allocated GPU memory, or the CPU's resident set."""
+    if DEVICE == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
@@ -39,44 +52,74 @@ def loss_and_backward(path, hidden, weight, targets, chunk_size):
     hidden.grad = weight.grad = None
 
 
-def measure(path, args) -> dict:
+def measure(path, rows, chunk_size, args) -> dict:
     """Run in a child process: one call's peak memory above the inputs, and its time."""
     torch.manual_seed(0)
-    hidden = torch.randn(args.tokens, args.d_model, requires_grad=True)
-    weight = (0.02 * torch.randn(args.vocab, args.d_model)).requires_grad_()
-    targets = torch.randint(0, args.vocab, (args.tokens,))
-    baseline = peak_rss_mib()
+    hidden = torch.randn(rows, args.d_model, device=DEVICE, requires_grad=True)
+    weight = (0.02 * torch.randn(args.vocab, args.d_model, device=DEVICE)).requires_grad_()
+    targets = torch.randint(0, args.vocab, (rows,), device=DEVICE)
+    if DEVICE == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32, as the trainer runs on a GPU
+        # The first call pays for cuBLAS's set-up; a GPU's peak, unlike RSS, can be reset.
+        loss_and_backward(path, hidden, weight, targets, chunk_size)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    baseline = peak_mib()
     start = time.perf_counter()
-    loss_and_backward(path, hidden, weight, targets, args.chunk_size)
-    return {"peak_mib": peak_rss_mib() - baseline, "seconds": time.perf_counter() - start}
+    loss_and_backward(path, hidden, weight, targets, chunk_size)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()  # kernels run asynchronously: wait before reading the clock
+    return {"peak_mib": peak_mib() - baseline, "seconds": time.perf_counter() - start}
+
+
+def run_child(path, rows, chunk_size, args) -> dict:
+    command = [sys.executable, __file__, "--child", path, str(rows), json.dumps(chunk_size),
+               "--vocab", str(args.vocab), "--d_model", str(args.d_model)]
+    child = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(child.stdout)
+
+
+def summarise(calls, runs) -> list[dict]:
+    """Per call: the peak over rounds, the median time, and chunked against naive."""
+    results = []
+    for (path, rows, chunk_size), measured in zip(calls, runs, strict=True):
+        results.append({"path": path, "rows": rows, "chunk_size": chunk_size,
+                        "peak_mib": round(max(m["peak_mib"] for m in measured), 1),
+                        "seconds": round(statistics.median(m["seconds"] for m in measured), 2)})
+    naive = {r["rows"]: r for r in results if r["path"] == "naive"}
+    for r in results:
+        if r["path"] == "chunked":
+            r["memory_ratio"] = round(naive[r["rows"]]["peak_mib"] / r["peak_mib"], 1)
+            r["time_ratio"] = round(r["seconds"] / naive[r["rows"]]["seconds"], 2)
+    return results
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=16384, help="B·T rows of the head")
+    parser.add_argument("--rows", type=int, nargs="+", default=[16384, 32768],
+                        help="B·T rows fed to the head, one or more")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1024, 4096],
+                        help="the chunked head's rows per chunk (ce_chunk_size), one or more")
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--d_model", type=int, default=512)
-    parser.add_argument("--chunk_size", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=3, help="calls of each path")
-    parser.add_argument("--path", choices=["naive", "chunked"], help="(child process only)")
+    parser.add_argument("--rounds", type=int, default=1, help="calls of each (path, rows, "
+                        "chunk); one round of the defaults takes ~4 minutes on 2 CPU cores")
+    parser.add_argument("--child", nargs=3, metavar=("PATH", "ROWS", "CHUNK"),
+                        help="(child process only)")
     args = parser.parse_args()
-    if args.path:
-        print(json.dumps(measure(args.path, args)))
+    if args.child:
+        path, rows, chunk_size = args.child  # chunk_size "null" for naive
+        print(json.dumps(measure(path, int(rows), json.loads(chunk_size), args)))
         return
-    result = {"tokens": args.tokens, "vocab": args.vocab, "d_model": args.d_model,
-              "chunk_size": args.chunk_size, "threads": torch.get_num_threads()}
-    runs = {"naive": [], "chunked": []}
+    calls = [(path, rows, chunk_size) for rows in args.rows
+             for path, chunk_size in [("naive", None)] + [("chunked", c) for c in args.chunks]]
+    runs = [[] for _ in calls]
     for _ in range(args.rounds):
-        for path in runs:
-            child = subprocess.run([sys.executable, __file__, "--path", path] + sys.argv[1:],
-                                   capture_output=True, text=True, check=True)
-            runs[path].append(json.loads(child.stdout))
-    for path, calls in runs.items():
-        result[f"{path}_peak_mib"] = round(max(c["peak_mib"] for c in calls), 1)
-        result[f"{path}_seconds"] = round(statistics.median(c["seconds"] for c in calls), 2)
-    result["memory_ratio"] = round(result["naive_peak_mib"] / result["chunked_peak_mib"], 1)
-    result["time_ratio"] = round(result["chunked_seconds"] / result["naive_seconds"], 2)
-    print(json.dumps(result))
+        for call, measured in zip(calls, runs, strict=True):
+            measured.append(run_child(*call, args))
+    print(json.dumps({"device": DEVICE, "threads": torch.get_num_threads(),
+                      "vocab": args.vocab, "d_model": args.d_model, "rounds": args.rounds,
+                      "results": summarise(calls, runs)}))
 
 
 if __name__ == "__main__":

@@ -70,6 +70,11 @@ VARIANTS = [
             drop_seq_ids=True),
     Variant("micro16", "micro-batch 16 instead of 32, twice the accumulation, same batch",
             {"micro_batch_size": 16}),
+    # A micro-batch (32 × 2,048) feeds 65,536 rows to the loss head; ce_chunk_size is 4,096.
+    Variant("chunk1024", "loss head 1,024 rows at a time instead of 4,096: less memory",
+            {"model.ce_chunk_size": 1024}),
+    Variant("chunk16384", "loss head 16,384 rows at a time instead of 4,096: larger matmuls",
+            {"model.ce_chunk_size": 16384}),
     Variant("ns_fp32", "Muon's Newton–Schulz in fp32 instead of bf16",
             ns_dtype=torch.float32),
     Variant("whole_compile", "torch.compile(model) instead of per-block compile",
@@ -225,7 +230,7 @@ def measure(variant: Variant, cfg, steps: int, warmup: int, dry_run: bool, t0: f
     mfu = {c: flops_per_token(cfg.model, cfg.seq_len, c) * tokens_per_s / peak if peak else None
            for c in ("causal", "palm")}
     return {"name": variant.name, "micro_batch_size": cfg.micro_batch_size,
-            "tokens_per_s": round(tokens_per_s, 1),
+            "ce_chunk_size": cfg.model.ce_chunk_size, "tokens_per_s": round(tokens_per_s, 1),
             "mfu": mfu["causal"], "mfu_palm": mfu["palm"],
             "peak_gib": round(report.memory_gib(accelerator.device), 3),
             "loss": result["loss"], "step_s": round(seconds / steps, 4),
@@ -234,8 +239,9 @@ def measure(variant: Variant, cfg, steps: int, warmup: int, dry_run: bool, t0: f
 
 def failed_row(variant: Variant, cfg, error: str, seconds: float) -> dict:
     return {"name": variant.name, "micro_batch_size": cfg.micro_batch_size,
-            "tokens_per_s": None, "mfu": None, "mfu_palm": None, "peak_gib": None,
-            "loss": None, "step_s": None, "seconds": round(seconds, 1), "error": error}
+            "ce_chunk_size": cfg.model.ce_chunk_size, "tokens_per_s": None, "mfu": None,
+            "mfu_palm": None, "peak_gib": None, "loss": None, "step_s": None,
+            "seconds": round(seconds, 1), "error": error}
 
 
 def table(rows: list[dict], variants: list[Variant]) -> str:

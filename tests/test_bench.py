@@ -27,8 +27,8 @@ def test_gpu_sweep_dry_run_reports_every_variant():
     report = json.loads(result.stdout.strip().splitlines()[-1])
     rows = {row["name"]: row for row in report["variants"]}
     assert list(rows) == [v.name for v in gpu_sweep.VARIANTS]
-    assert {"default", "head_bf16", "micro16", "causal_only", "ns_fp32",
-            "whole_compile"} <= set(rows)
+    assert {"default", "head_bf16", "micro16", "chunk1024", "chunk16384", "causal_only",
+            "ns_fp32", "whole_compile"} <= set(rows)
     for name, row in rows.items():
         if row["error"] is not None:
             assert isinstance(row["error"], str) and row["error"], name
@@ -38,6 +38,7 @@ def test_gpu_sweep_dry_run_reports_every_variant():
         for key in ("mfu", "mfu_palm"):  # no known peak FLOP/s for a CPU: null, not made up
             assert row[key] is None if report["device"] == "cpu" else math.isfinite(row[key])
     assert rows["micro16"]["micro_batch_size"] * 2 == rows["default"]["micro_batch_size"]
+    assert [rows[name]["ce_chunk_size"] for name in ("chunk1024", "chunk16384")] == [1024, 16384]
 
 
 def test_a_failing_variant_becomes_a_row_with_its_error(monkeypatch):
@@ -72,6 +73,29 @@ def test_gpu_check_uses_existing_knobs_and_scripts():
     recipe = next(line for line in gpu_sweep.__doc__.splitlines() if "--quick" in line)
     assert '"--quick"' in script and "bench/gpu_check.sh --quick;" in recipe
     gpu_sweep.parse_args(recipe.split("gpu_sweep.py")[1].split())
+
+
+def test_ce_memory_reports_the_grid_and_chunked_never_holds_the_full_logits():
+    """bench/ce_memory.py at small shapes: one result per (rows, path, chunk), naive once per
+    row count. Naive's peak holds at least its fp32 logits (rows·V·4 bytes); chunked stays
+    below them, and its memory_ratio is naive's peak over its own at the same rows."""
+    vocab = 8192
+    result = subprocess.run([sys.executable, "bench/ce_memory.py", "--rows", "1024", "2048",
+                             "--chunks", "256", "--vocab", str(vocab), "--d_model", "64"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)  # one line, nothing else
+    got = [(r["rows"], r["path"], r["chunk_size"]) for r in report["results"]]
+    assert got == [(1024, "naive", None), (1024, "chunked", 256),
+                   (2048, "naive", None), (2048, "chunked", 256)]
+    naive = {r["rows"]: r["peak_mib"] for r in report["results"] if r["path"] == "naive"}
+    for r in report["results"]:
+        logits_mib = r["rows"] * vocab * 4 / 2**20
+        if r["path"] == "naive":
+            assert r["peak_mib"] >= logits_mib, r
+        else:
+            assert 0 < r["peak_mib"] < logits_mib, r
+            assert r["memory_ratio"] == round(naive[r["rows"]] / r["peak_mib"], 1)
 
 
 # bench/recipe.py: the stages' logic with a stand-in for training, checked by plain math
