@@ -1,6 +1,8 @@
 """checkpoint.py: atomic saves, finding the newest complete checkpoint, pruning, RNG state."""
 
+import os
 import random
+import signal
 
 import numpy as np
 import pytest
@@ -127,3 +129,20 @@ def test_rng_state_round_trip_restores_every_generator(tmp_path):
     random.seed(99), np.random.seed(99), torch.manual_seed(99)
     checkpoint.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert draws() == first
+
+
+def test_signals_after_the_first(monkeypatch):
+    """StopFlag's promise: SIGTERM or Ctrl-C asks for a clean stop, and a second Ctrl-C
+    interrupts at once; a second SIGTERM (a launcher passes on the one its workers already
+    got) is still only a request. The old handlers come back on exit."""
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with checkpoint.StopFlag() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested
+    with checkpoint.StopFlag() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before

@@ -556,6 +556,14 @@ def test_refuses_a_run_that_would_stop_mid_decay():
     check_schedule(TrainConfig(total_steps=38_147, stop_at_step=36_000, decay_start=34_332))
 
 
+def test_the_mid_decay_refusal_starts_one_step_past_the_decay_start():
+    """The edge: the reference run stops exactly where the decay leg starts (34,332), which
+    is allowed; one step later is inside the leg, which is refused."""
+    assert TrainConfig(total_steps=38_147, stop_at_step=34_332).stop_at_step == 34_332
+    with pytest.raises(ValueError, match="stop_at_step=34,333 is inside the decay leg"):
+        TrainConfig(total_steps=38_147, stop_at_step=34_333)
+
+
 def test_refuses_warmup_and_decay_longer_than_the_run():
     with pytest.raises(ValueError, match=r"2,000 \+ 1,500 exceed total_steps=3,000"):
         TrainConfig(total_steps=3_000, stop_at_step=3_000, warmup_steps=2_000,

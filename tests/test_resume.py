@@ -157,6 +157,20 @@ def test_a_run_resumed_from_an_older_checkpoint_keeps_the_newer_one(small_data_d
         "muon_peak_lr"] == 1e-3
 
 
+def test_rerunning_a_finished_run_trains_nothing_and_rewrites_nothing(small_data_dir, tmp_path):
+    """The very end: the same command again after the last step evaluates that step once
+    more and samples, but trains no step and writes no checkpoint (its own last one is not
+    written again, nor set aside as replaced)."""
+    cfg = micro_config(small_data_dir, str(tmp_path), stop_at_step=4)
+    train.main(cfg)
+    before = {p.name: p.read_bytes() for p in ckpt(cfg, 4).iterdir()}
+    trained = [r for r in records(cfg) if "loss" in r]
+    train.main(cfg)
+    assert [r for r in records(cfg) if "loss" in r] == trained
+    assert sorted(p.name for p in ckpt(cfg, 4).parent.iterdir()) == ["step_0000004"]
+    assert {p.name: p.read_bytes() for p in ckpt(cfg, 4).iterdir()} == before
+
+
 def test_a_hostile_rng_file_stops_the_run_as_unsafe(small_data_dir, tmp_path):
     """An rng_rank0.pt that torch.load(weights_only=True) refuses could run code if read
     any other way: the run stops and names it, nothing runs, and the checkpoint stays as

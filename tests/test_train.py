@@ -197,6 +197,19 @@ def test_two_ranks_equal_one_rank_with_accumulation(small_data_dir, tmp_path):
     assert_weights(checkpoint_weights(one, 8), checkpoint_weights(resumed, 8), atol=2e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+def test_batches_reach_the_gpu_through_pinned_memory(monkeypatch):
+    """Only from pinned memory can the non_blocking copy overlap compute: each tensor is
+    pinned on its way, and arrives unchanged."""
+    pinned, pin = [], torch.Tensor.pin_memory
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinned.append(t) or pin(t))
+    batch = {"input_ids": torch.arange(6).view(2, 3), "targets": torch.arange(6).view(2, 3)}
+    moved = train.to_device(batch, torch.device("cuda"))
+    assert len(pinned) == 2 and all(t.is_cuda for t in moved.values())
+    assert all(torch.equal(moved[k].cpu(), batch[k]) for k in batch)
+    assert train.to_device(batch, torch.device("cpu")) is batch  # nothing to copy
+
+
 def test_compiled_blocks_train_like_eager_blocks(small_data_dir, tmp_path):
     """compile_model=true (regional compilation, the CUDA default) on CPU's inductor: the
     same losses as eager to float tolerance, and checkpoints keep the eager parameter names
