@@ -153,4 +153,24 @@ def test_help_describes_every_knob(capsys):
         [line] = [line for line in lines if line.startswith(f"  --{prefix}{f.name}=")]
         assert line.endswith(description)
     model_field = {f.name: f for f in dataclasses.fields(TrainConfig)}["model"]
-    assert f"model knobs ({model_field.metadata['help']}):" in lines
+    assert f" model: {model_field.metadata['help']}" in lines
+    # the groups of config.py, in its order, each above its first knob
+    sections = [line.strip() for line in lines if line.startswith(" ") and
+                not line.startswith("  ") and line.strip()]
+    assert [s.split(":")[0] for s in sections] == [
+        "data and outputs", "batch", "schedule", "optimizers", "hardware and numerics",
+        "logging, evaluation, checkpoints", "model"]
+    assert lines.index(" data and outputs") < lines.index(next(
+        line for line in lines if line.startswith("  --data_dir=")))
+
+
+def test_help_shows_the_defaults_of_the_preset_that_would_run(capsys):
+    """On a CPU-only machine the bare command runs `tiny`: --help says so and shows tiny's
+    defaults; --preset stack100m --help shows Stack-100M's."""
+    for argv, preset, seq_len in ([["--help"], "tiny", 256],
+                                  [["--preset", "stack100m", "--help"], "stack100m", 2048]):
+        with pytest.raises(SystemExit):
+            parse_args(argv, default_preset="tiny")
+        out = capsys.readouterr().out
+        assert f"knobs, with the defaults of the {preset} preset" in out
+        assert f"  --seq_len={seq_len} " in out

@@ -93,3 +93,14 @@ def test_no_progress_bar_when_not_a_terminal(tmp_path, capsys):
     out = capsys.readouterr()
     assert "\r" not in out.out + out.err
     assert out.out.count("step ") == 2
+
+
+@pytest.mark.parametrize("device, says", [("cpu", "the process's peak resident memory"),
+                                          ("cuda:0", "the measured peak of allocated tensors")])
+def test_banner_names_the_loss_unit_and_what_the_mem_column_measures(device, says):
+    hardware = report.Hardware(1, device, "NO", "no", False)
+    text = report.banner(config.tiny(), hardware, 4_000_000, 3_000_000, "optimizers",
+                         "schedule", {"causal": 1.0, "palm": 1.0}, [], "abc1234")
+    assert "loss: cross-entropy + z-loss in nats per target token" in text
+    [line] = [line for line in text.splitlines() if line.startswith("memory estimate per rank")]
+    assert says in line
