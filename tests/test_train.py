@@ -119,6 +119,17 @@ def test_tiny_run_learns_logs_and_reconciles(small_data_dir, tmp_path, monkeypat
 
 # --- equivalences -----------------------------------------------------------------------
 
+def test_the_last_step_is_evaluated_and_saved_off_the_intervals(small_data_dir, tmp_path):
+    """stop_at_step 6 is no multiple of eval_every or ckpt_every (4): the loop still
+    evaluates and saves it, once, as the step it ends on."""
+    cfg = micro_config(small_data_dir, str(tmp_path), stop_at_step=6)
+    train.main(cfg)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "val_loss" in r] == [0, 4, 6]
+    assert [p.name for p in checkpoint.complete_checkpoints(cfg.out_dir)] == \
+        ["step_0000004", "step_0000006"]
+
+
 def test_micro_batch_split_does_not_change_training(small_data_dir, tmp_path):
     """1 process × micro 8 × accum 1 equals 1 × micro 4 × accum 2 (same global batch)."""
     whole = micro_config(small_data_dir, str(tmp_path / "whole"), micro_batch_size=8)
