@@ -294,6 +294,29 @@ def test_a_sigterm_after_training_still_exits_zero(small_data_dir, tmp_path, mon
     assert outcome(tmp_path / "out") == ("finished", 4)
 
 
+def test_a_sigterm_during_setup_stops_the_run_after_its_first_step(small_data_dir, tmp_path,
+                                                                   monkeypatch):
+    """README: a signal during setup (hashing shards, building the model: minutes at scale)
+    stops the run after its first step, saved. A handler of the test's own catches any
+    SIGTERM the run's handler does not take."""
+    import report
+    revision, escaped = report.code_revision, []
+
+    def interrupted():
+        os.kill(os.getpid(), signal.SIGTERM)
+        return revision()
+    monkeypatch.setattr(report, "code_revision", interrupted)  # called inside setup
+    monkeypatch.setenv(checkpoint.OUTCOME_FILE, str(tmp_path / "out"))
+    previous = signal.signal(signal.SIGTERM, lambda *_: escaped.append(True))
+    try:
+        train.main(micro_config(small_data_dir, str(tmp_path / "run")))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert escaped == []
+    assert outcome(tmp_path / "out") == ("stopped", 1)
+    assert checkpoint.find(str(tmp_path / "run"), "auto").name == "step_0000001"
+
+
 # --- the launch config -----------------------------------------------------------------
 
 def launched_env(yaml_text: str, tmp_path: Path) -> dict:
