@@ -249,6 +249,39 @@ def test_sigterm_to_the_launcher_alone_saves_and_records_the_stop(small_data_dir
 
 
 @pytest.mark.distributed
+def rank_of(pid: int) -> int | None:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((int(v[5:]) for v in environ if v.startswith(b"RANK=")), None)
+
+
+@pytest.mark.distributed
+def test_a_sigterm_that_reaches_one_rank_stops_every_rank_at_the_same_step(small_data_dir,
+                                                                          tmp_path):
+    """train_step's promise: every rank must agree to stop, so the flag is summed over the
+    ranks. SIGTERM to rank 1 alone (the launcher and rank 0 never see it): both ranks stop
+    after the same step and save it together, and the launcher, never signalled, exits 0."""
+    cfg = preemptible(small_data_dir, str(tmp_path / "run"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", checkpoint.OUTCOME_FILE: str(tmp_path / "out")}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               "accelerate_configs/cpu_ddp.yaml", "--main_process_port", str(free_port()),
+               "train.py", *cli_args(cfg)]
+    launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    wait_for_steps(cfg, 3, launcher)
+    [rank1] = [pid for pid in processes_of(cfg.out_dir) if rank_of(pid) == 1]
+    os.kill(rank1, signal.SIGTERM)
+    output, _ = launcher.communicate(timeout=120)
+    assert launcher.returncode == 0, output[-3000:]
+    word, stopped_at = outcome(tmp_path / "out")
+    assert word == "stopped" and 3 <= stopped_at < 120
+    assert checkpoint.find(cfg.out_dir, "auto") == checkpoint.step_path(cfg.out_dir, stopped_at)
+    assert f"stop requested after step {stopped_at}" in output
+
+
+@pytest.mark.distributed
 def test_a_file_damaged_for_one_rank_only_is_skipped_by_every_rank(small_data_dir, tmp_path):
     """Rank 1's RNG file of the newest checkpoint is cut short; rank 0's reads fine. The
     ranks vote, so both set it aside and resume from the one before (a rank resuming alone
