@@ -122,8 +122,8 @@ def train(run: Run, stop: checkpoint.StopFlag) -> dict:
             if run.step % cfg.eval_every == 0 or last_step or run.new_sources:
                 metrics.update(validate(run, token_bytes))
                 logger.log_eval(run.step, metrics)
-            # Not the step just resumed from (it is saved), and never during a non-finite
-            # streak: the weights may already be the damage.
+            # Not the step the run started from (step 0, or the checkpoint it resumed from),
+            # and never during a non-finite streak: the weights may already be the damage.
             if (run.step % cfg.ckpt_every == 0 or last_step) and run.step != first_step \
                     and bad_steps == 0:
                 save_checkpoint(run)
