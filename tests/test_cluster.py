@@ -7,7 +7,6 @@ import dataclasses
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import config
 import train
 from conftest import micro_config
 from test_train import (REPO, assert_weights, checkpoint_weights, cli_args, free_port,
-                        train_records)
+                        launch_command, train_records)
 
 JOB_ID = "4242"
 
@@ -227,12 +226,7 @@ def test_sigterm_to_the_launcher_alone_saves_and_records_the_stop(small_data_dir
     elastic agent passes it on to each rank, waits for them, then exits 1 although each
     saved and exited 0: the outcome file is what says the run stopped cleanly."""
     cfg = preemptible(small_data_dir, str(tmp_path / "run"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", checkpoint.OUTCOME_FILE: str(tmp_path / "out")}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               "accelerate_configs/cpu_ddp.yaml", "--main_process_port", str(free_port()),
-               "train.py", *cli_args(cfg)]
-    launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+    launcher = start_two_ranks(cfg, tmp_path / "out")
     wait_for_steps(cfg, 3, launcher)
     launcher.send_signal(signal.SIGTERM)
     output, _ = launcher.communicate(timeout=120)
@@ -248,7 +242,13 @@ def test_sigterm_to_the_launcher_alone_saves_and_records_the_stop(small_data_dir
     assert_resumed_exactly(cfg, straight, stopped_at)
 
 
-@pytest.mark.distributed
+def start_two_ranks(cfg, outcome_file: Path) -> subprocess.Popen:
+    """train.py on 2 ranks under accelerate launch, recording its outcome in outcome_file."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", checkpoint.OUTCOME_FILE: str(outcome_file)}
+    return subprocess.Popen(launch_command(cfg, processes=2), cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 def rank_of(pid: int) -> int | None:
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -264,12 +264,7 @@ def test_a_sigterm_that_reaches_one_rank_stops_every_rank_at_the_same_step(small
     ranks. SIGTERM to rank 1 alone (the launcher and rank 0 never see it): both ranks stop
     after the same step and save it together, and the launcher, never signalled, exits 0."""
     cfg = preemptible(small_data_dir, str(tmp_path / "run"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", checkpoint.OUTCOME_FILE: str(tmp_path / "out")}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               "accelerate_configs/cpu_ddp.yaml", "--main_process_port", str(free_port()),
-               "train.py", *cli_args(cfg)]
-    launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+    launcher = start_two_ranks(cfg, tmp_path / "out")
     wait_for_steps(cfg, 3, launcher)
     [rank1] = [pid for pid in processes_of(cfg.out_dir) if rank_of(pid) == 1]
     os.kill(rank1, signal.SIGTERM)
@@ -291,9 +286,7 @@ def test_a_file_damaged_for_one_rank_only_is_skipped_by_every_rank(small_data_di
     train.main(cfg)
     rng = (checkpoint.step_path(cfg.out_dir, 4) / "rng_rank0.pt").read_bytes()
     (checkpoint.step_path(cfg.out_dir, 4) / "rng_rank1.pt").write_bytes(rng[: len(rng) // 2])
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               "accelerate_configs/cpu_ddp.yaml", "--main_process_port", str(free_port()),
-               "train.py", *cli_args(dataclasses.replace(cfg, stop_at_step=6))]
+    command = launch_command(dataclasses.replace(cfg, stop_at_step=6), processes=2)
     done = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

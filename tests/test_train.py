@@ -75,18 +75,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(cfg, processes: int = 1) -> subprocess.CompletedProcess:
+def launch_command(cfg, processes: int = 1) -> list[str]:
     """train.py in fresh processes: plain python for one, accelerate launch (DDP over gloo)
     for several."""
     if processes == 1:
-        cmd = [sys.executable, "train.py"]
-    else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               "accelerate_configs/cpu_ddp.yaml", "--num_processes", str(processes),
-               "--main_process_port", str(free_port()), "train.py"]
+        return [sys.executable, "train.py", *cli_args(cfg)]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            "accelerate_configs/cpu_ddp.yaml", "--num_processes", str(processes),
+            "--main_process_port", str(free_port()), "train.py", *cli_args(cfg)]
+
+
+def launch(cfg, processes: int = 1) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd + cli_args(cfg), cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(launch_command(cfg, processes), cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 
@@ -304,7 +306,7 @@ def test_sigterm_saves_exits_zero_and_resumes_exactly(small_data_dir, tmp_path):
     cfg = micro_config(small_data_dir, str(tmp_path / "killed"), total_steps=400,
                        stop_at_step=400, eval_every=1000, ckpt_every=1000, warmup_steps=10)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "train.py"] + cli_args(cfg), cwd=REPO, env=env,
+    proc = subprocess.Popen(launch_command(cfg), cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = Path(cfg.out_dir) / "metrics.jsonl"
     deadline = time.time() + 120
