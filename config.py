@@ -170,6 +170,8 @@ class TrainConfig:
                                            "than this many times; none: warn above 4")
     sample_prompt: str = knob("def ", "text the end-of-run sample continues")
     sample_tokens: int = knob(64, "tokens generated for that sample")
+    write_report: bool = knob(True, "out_dir/report.md and report.png at every checkpoint and "
+                                    "at the end (`python report.py OUT_DIR` makes them any time)")
     wandb_mode: str = knob("disabled", "Weights & Biases logging")
     wandb_project: str = knob("stacklm", "Weights & Biases project")
 
@@ -433,16 +435,31 @@ def check_epochs(cfg: TrainConfig, plan: list[dict]) -> list[str]:
 FIXED_ON_RESUME = ("model.", "seq_len", "seed", "matrix_optimizer")
 
 
-def resume_changes(cfg: TrainConfig, saved: dict) -> list[tuple[str, object, object]]:
-    """(knob, checkpoint's value, this run's value) for each knob that differs from the
-    checkpoint's config `saved`; a ValueError naming every fixed knob that differs."""
+def differences(cfg: TrainConfig, other: dict) -> list[tuple[str, object, object]]:
+    """(knob, other's value, cfg's value) for each knob in which cfg differs from `other`,
+    a config as dataclasses.asdict or a train_state.json holds it; model knobs are named
+    `model.<knob>`, and a knob `other` lacks (a config older than the knob) counts as equal."""
     def flat(config: dict) -> dict:
+        config = dict(config)
         model = config.pop("model")
         return {**config, **{f"model.{k}": v for k, v in model.items()}}
     ours = flat(json.loads(json.dumps(dataclasses.asdict(cfg))))  # tuples compare as lists
-    theirs = flat(dict(saved))
-    changed = [(k, theirs.get(k), v) for k, v in ours.items()
-               if k != "resume" and theirs.get(k, v) != v]
+    theirs = flat(json.loads(json.dumps(other)))
+    return [(k, theirs.get(k), v) for k, v in ours.items() if theirs.get(k, v) != v]
+
+
+def nearest_preset(cfg: TrainConfig) -> tuple[str, list[tuple[str, object, object]]]:
+    """The preset cfg differs least from, and those differences (`differences`): the config
+    a run report shows, as a diff from the defaults it was made from."""
+    diffs = {name: differences(cfg, dataclasses.asdict(make())) for name, make in PRESETS.items()}
+    name = min(diffs, key=lambda name: len(diffs[name]))
+    return name, diffs[name]
+
+
+def resume_changes(cfg: TrainConfig, saved: dict) -> list[tuple[str, object, object]]:
+    """(knob, checkpoint's value, this run's value) for each knob that differs from the
+    checkpoint's config `saved`; a ValueError naming every fixed knob that differs."""
+    changed = [(k, old, new) for k, old, new in differences(cfg, saved) if k != "resume"]
     fixed = [f"{k} {old!r} → {new!r}" for k, old, new in changed if k.startswith(FIXED_ON_RESUME)]
     if fixed:
         raise ValueError(f"resume: {', '.join(fixed)} cannot change on a resume (the weights, "

@@ -1,273 +1,626 @@
-"""What a run tells its user: the start-up banner, the memory estimate, and one log line per
-log step (loss, gradient norm, learning rates, tokens/s, TFLOP/s, MFU, memory, ETA) to the
-terminal, metrics.jsonl and Weights & Biases.
+"""report.py: the run report, drawn from out_dir/metrics.jsonl alone, and runs compared.
 
-Every value the logger gets is already global (reduced across ranks by the loop); only the
-main process writes.
+    python report.py out/tiny                  # out/tiny/report.md and out/tiny/report.png
+    python report.py out/smollm out/anneal-a out/anneal-b --out out/compare
 
-Imports from stacklm: nothing. It takes a config object and plain numbers.
+Every run writes its report at each checkpoint and as it ends (log.py runs this file as a
+command). This command rebuilds it at any time from the folder: no checkpoint weights, no
+GPU, no network, no torch. report.png holds the curves against tokens seen: train loss (raw
+and smoothed), val loss (the mixture and each source), both learning rates, the gradient
+norm with skipped steps, tokens/s and MFU; every panel marks the schedule's phases, the
+data stages, and where the run resumed or branched. report.md shows the figure and the
+run's facts: the hardware and the code of each start, the config as a diff from its
+preset, the data plan, the results and the end-of-run sample.
+
+How the log is read (log.py writes it): records come in starts, each opened by a `start`
+record. A start that resumes from step S undoes everything an earlier start logged past S
+(a kill -9 leaves steps no checkpoint kept), and a step logged twice counts once, its last
+record. A run that continues another folder's checkpoint (an anneal branched from the
+stable run) shows that folder's history up to the branch point. A line a kill -9 cut
+short is left out with one warning.
+
+Several folders are overlaid in one figure, labelled by folder name, with a table of their
+finals and of the knobs in which they differ. A run of the `tiny` preset, unmodified, is
+drawn over the reference seeds kept in reference/tiny/, and the report says whether its
+final val loss falls within their spread.
+
+Imports from stacklm: cli (the one-line errors). It reads JSON and draws with matplotlib
+(a bare Figure, rendered by Agg: no display, no pyplot state).
 """
 
-import dataclasses
+import argparse
 import json
 import math
-import resource
-import subprocess
+import os
 import sys
-import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
-# Dense bf16 tensor-core peak per GPU (vendor datasheets, no sparsity). MFU is reported
-# against these; unknown devices and CPUs show MFU as n/a rather than a made-up number.
-PEAK_FLOPS = {
-    "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "GH200": 989e12,
-    "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "RTX 4090": 165e12,
-}
+from cli import user_errors
+
+REFERENCE = Path(__file__).resolve().parent / "reference" / "tiny"
+# Knobs that change nothing a run computes before its sample, or only which seed it draws:
+# a tiny run that differs from the preset in these alone is compared with the reference.
+UNCHANGED_BY = {"out_dir", "resume", "seed", "wandb_mode", "wandb_project", "write_report",
+                "sample_prompt", "sample_tokens"}
+# Knobs never worth a row where runs are compared: each run's folder is its label.
+NOT_COMPARED = {"out_dir", "resume"}
 
 
-def code_revision(root=Path(__file__).resolve().parent) -> str:
-    """The git commit of the code that runs, `-dirty` appended if tracked files changed
-    since; "unknown" outside a git checkout of its own (a copied tree) or without git."""
-    def git(*args) -> str:
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
+@dataclass
+class RunLog:
+    """One run, as its metrics.jsonl (and its parent's, up to the branch point) tells it."""
+    path: Path
+    starts: list[dict] = field(default_factory=list)  # each start record, in order
+    ends: list[dict | None] = field(default_factory=list)  # how each start ended; None: killed
+    seconds: list[float] = field(default_factory=list)  # each start's wall time, on the log's clock
+    records: dict[str, dict[int, dict]] = field(default_factory=dict)  # kind -> step -> record
+    branch: tuple[str, int] | None = None  # (parent folder, step) this run continues
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def config(self) -> dict:  # the config in effect at the end
+        return self.starts[-1]["config"]
+
+    def rows(self, kind: str) -> list[dict]:
+        """This kind's records, one per step, in step order."""
+        by_step = self.records.get(kind, {})
+        return [by_step[step] for step in sorted(by_step)]
+
+
+# ---------------------------------------------------------------------------------------
+# Reading the log
+# ---------------------------------------------------------------------------------------
+
+def read_run(out_dir, seen: frozenset = frozenset()) -> RunLog:
+    """The run in out_dir, from its metrics.jsonl; a ValueError when there is none."""
+    path = Path(out_dir).resolve()
+    records, warning = read_lines(path / "metrics.jsonl")
+    run = RunLog(path, warnings=[warning] if warning else [])
+    for record in records:
+        add(run, record)
+    if not run.starts:
+        raise ValueError(f"{path / 'metrics.jsonl'}: no start record, so not a log of this "
+                         f"version of train.py (each start of a run writes one first)")
+    inherit(run, seen | {path})
+    return run
+
+
+def read_lines(metrics: Path) -> tuple[list[dict], str | None]:
+    """Every record that parses, and one warning naming the lines that do not."""
     try:
-        if Path(git("rev-parse", "--show-toplevel")).resolve() != Path(root).resolve():
-            return "unknown"  # a copy that sits inside some other repository
-        dirty = git("status", "--porcelain", "--untracked-files=no")
-        return git("rev-parse", "HEAD") + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        text = metrics.read_text()
+    except FileNotFoundError:
+        raise ValueError(f"{metrics.parent}: no metrics.jsonl, so nothing to report; give "
+                         f"the out_dir of a run (train.py writes metrics.jsonl there)") from None
+    records, bad = [], []
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            record = json.loads(line, parse_constant=not_json)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and "kind" in record and "step" in record:
+            records.append(record)
+        elif line.strip():
+            bad.append(number)
+    if not bad:
+        return records, None
+    lines = f"line{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
+    return records, (f"{metrics}: {lines} cannot be read (cut short by a kill -9?); "
+                     f"reported without {'them' if len(bad) > 1 else 'it'}")
 
 
-def peak_flops(device_name: str) -> float | None:
-    """Peak FLOP/s of one device, matched by name (longest key first), or None."""
-    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
-        if key in device_name:
-            return PEAK_FLOPS[key]
-    return None
+def not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")  # NaN and Infinity: log.py writes null
+
+
+def add(run: RunLog, record: dict):
+    """File one record. A start at step S undoes what earlier starts logged past S; a step
+    logged again replaces its record."""
+    kind, step = record["kind"], record["step"]
+    if kind == "start":
+        for by_step in run.records.values():
+            for undone in [s for s in by_step if s > step]:
+                del by_step[undone]
+        run.starts.append(record)
+        run.ends.append(None)
+        run.seconds.append(0.0)
+    elif not run.starts:
+        return  # before any start: not a log this code wrote
+    if kind == "end":
+        run.ends[-1] = record
+    if "elapsed_s" in record:  # the log's clock starts again with each start
+        run.seconds[-1] = max(run.seconds[-1], record["elapsed_s"])
+    run.records.setdefault(kind, {})[step] = record
+
+
+def inherit(run: RunLog, seen: frozenset):
+    """A run whose first start continued another folder's checkpoint (an anneal branched
+    from the stable run) takes that folder's history up to the branch point."""
+    first = run.starts[0]
+    source = first.get("resumed_from")
+    if not source:
+        return
+    parent = Path(source).parent.parent  # out_dir/ckpt/step_XXXXXXX
+    if parent.resolve() in seen or parent.resolve() == run.path:
+        return
+    step = first["step"]
+    run.branch = (parent.name, step)
+    try:
+        history = read_run(parent, seen)
+    except ValueError as e:
+        run.warnings.append(f"{run.path}: the history before step {step:,} is not drawn ({e})")
+        return
+    run.warnings += history.warnings
+    for kind, by_step in history.records.items():
+        ours = run.records.setdefault(kind, {})
+        ours.update({s: r for s, r in by_step.items() if s <= step and s not in ours})
+    before = [k for k, start in enumerate(history.starts) if start["step"] < step]
+    run.starts[:0] = [history.starts[k] for k in before]
+    run.ends[:0] = [history.ends[k] for k in before]
+    run.seconds[:0] = [history.seconds[k] for k in before]
 
 
 # ---------------------------------------------------------------------------------------
-# Start-up: the banner and the memory estimate
+# What the report says: the results, computed once for the markdown, the tables and tests
 # ---------------------------------------------------------------------------------------
 
-# Bytes saved for backward per token per block, per unit of d_model, for Stack-shaped
-# blocks (intermediate = 2.75·d_model, 4 query heads per kv head), as counted by
-# torch.autograd.graph.saved_tensors_hooks on d_model=512 blocks (tests/test_report.py
-# recounts them). bf16 autocast keeps the norms' fp32 intermediates: not half of fp32.
-ACTIVATION_BYTES_PER_D = {True: 66, False: 91}  # bf16: yes/no
+def results(run: RunLog) -> dict:
+    """The run's finals and totals. Throughput leaves out the first log interval of each
+    start (compilation, warm-up) unless nothing else is left, weighting each interval by
+    its time; None where the log has no such number."""
+    train, evals = run.rows("train"), run.rows("eval")
+    last_train = train[-1] if train else {}
+    last_eval = evals[-1] if evals else {}
+    tokens_per_s, mfu, warm = throughput(run)
+    return {
+        "step": max([r["step"] for kind in ("train", "eval") for r in run.rows(kind)],
+                    default=run.starts[-1]["step"]),
+        "train_step": last_train.get("step"), "train_loss": last_train.get("loss"),
+        "eval_step": last_eval.get("step"), "val_loss": last_eval.get("val_loss"),
+        "val_bpb": last_eval.get("val_bpb"),
+        "val_loss_per_source": {k.split("/", 1)[1]: v for k, v in last_eval.items()
+                                if k.startswith("val_loss/")},
+        "tokens_seen": max([r["tokens_seen"] for r in train + evals], default=0),
+        "wall_s": sum(run.seconds), "starts": len(run.starts),
+        "tokens_per_s": tokens_per_s, "mfu": mfu, "throughput_warm": warm,
+        "peak_memory_gib": max([r["memory_gib"] for r in train if r["memory_gib"] is not None],
+                               default=None),
+        "skipped_steps": len(run.records.get("skip", {})),
+        "checkpoints": sorted(run.records.get("checkpoint", {})),
+        "outcome": (run.ends[-1] or {}).get("outcome", "running, or killed"),
+    }
 
 
-def memory_estimate(cfg, n_params: int, n_muon: int, world: int, sharded: bool,
-                    bf16: bool) -> dict[str, float]:
-    """A start-up estimate of peak memory per rank, in GiB, to set beside the measured peak
-    in the log. fp32 master weights and gradients (4 bytes each), Muon's momentum (4) and
-    AdamW's two moments (8), divided by the rank count under FSDP2; the activations of the
-    blocks that are not recomputed (a recomputed block keeps only its input, and one block
-    at a time is recomputed); one chunk of fp32 logits and their gradient."""
-    m = cfg.model
-    shard = world if sharded else 1
-    tokens = cfg.micro_batch_size * cfg.seq_len
-    block = tokens * ACTIVATION_BYTES_PER_D[bf16] * m.d_model
-    every = cfg.recompute_every
-    recomputed = m.n_layers // every if every else 0
-    block_input = tokens * m.d_model * (2 if bf16 else 4)
-    activations = (m.n_layers - recomputed) * block + recomputed * block_input \
-        + (block if recomputed else 0)
-    gib = 2**30
-    budget = {"weights+grads": 8 * n_params / shard / gib,
-              "optimizer": (4 * n_muon + 8 * (n_params - n_muon)) / shard / gib,
-              "activations": activations / gib,
-              "loss_head": 2 * min(m.ce_chunk_size, tokens) * m.vocab_size * 4 / gib}
-    budget["total"] = sum(budget.values())
-    return budget
+def throughput(run: RunLog) -> tuple[float | None, float | None, bool]:
+    """Mean tokens/s and MFU over the logged intervals, each weighted by its seconds; and
+    whether the first interval of every start could be left out."""
+    intervals = []  # (seconds, tokens/s, mfu, first of its start)
+    bounds = [s["step"] for s in run.starts] + [math.inf]
+    for k, start in enumerate(run.starts):
+        rows = [r for r in run.rows("train") if bounds[k] < r["step"] <= bounds[k + 1]
+                and r.get("tokens_per_s")]
+        previous = start["step"]
+        for i, r in enumerate(rows):
+            tokens = (r["step"] - previous) * start["config"]["global_batch_tokens"]
+            intervals.append((tokens / r["tokens_per_s"], r["tokens_per_s"], r["mfu"], i == 0))
+            previous = r["step"]
+    warm = [x for x in intervals if not x[3]]
+    chosen = warm or intervals
+    seconds = sum(x[0] for x in chosen)
+    if not seconds:
+        return None, None, False
+    mfu = None
+    if all(x[2] is not None for x in chosen):
+        mfu = sum(x[0] * x[2] for x in chosen) / seconds
+    return sum(x[0] * x[1] for x in chosen) / seconds, mfu, bool(warm)
 
 
-@dataclasses.dataclass
-class Hardware:
-    """Where a run trains, as the banner prints it."""
-    world: int  # ranks
-    device: str  # e.g. "cuda:0" or "cpu"
-    distributed: str  # accelerate's DistributedType value: NO, MULTI_GPU, FSDP, MULTI_CPU
-    precision: str  # "bf16" or "no"
-    compiled: bool
+def reference_verdict(run: RunLog) -> str | None:
+    """For a finished run of the unmodified `tiny` preset: is its final val loss within the
+    reference seeds' spread, or outside it and by how much? None for any other run."""
+    start, done = run.starts[-1], results(run)
+    unchanged = all(knob in UNCHANGED_BY for knob, *_ in start.get("preset_changes", []))
+    if start.get("preset") != "tiny" or not unchanged or done["eval_step"] is None \
+            or done["eval_step"] != run.config["stop_at_step"]:
+        return None
+    seeds = reference_runs()
+    if not seeds:
+        return None
+    finals = [results(seed)["val_loss"] for seed in seeds]
+    low, high, ours = min(finals), max(finals), done["val_loss"]
+    spread = f"{low:.4f}–{high:.4f}, {len(seeds)} seeds"
+    if ours is None:
+        return f"reference: the final val loss is not finite (the reference seeds: {spread})"
+    if low <= ours <= high:
+        return (f"reference: final val loss {ours:.4f} is within the reference seeds' spread "
+                f"({spread})")
+    by = ours - high if ours > high else low - ours
+    side = "above" if ours > high else "below"
+    return (f"reference: final val loss {ours:.4f} is outside the reference seeds' spread "
+            f"({spread}): {by:.4f} {side} it")
 
 
-# What the log's mem column measures, as the banner says beside its estimate.
-MEM_COLUMN = {"cuda": "the log's mem column is the measured peak of allocated tensors",
-              "cpu": "on a CPU the log's mem column is the process's peak resident memory, "
-                     "the Python runtime and libraries included: not comparable to this"}
+def reference_runs() -> list[RunLog]:
+    return [read_run(d) for d in sorted(REFERENCE.glob("seed-*")) if (d / "metrics.jsonl").exists()]
 
 
-def banner(cfg, hardware: Hardware, n_params: int, n_muon: int, optimizers: str,
-           schedule: str, flops: dict[str, float], plan: list[dict], revision: str) -> str:
-    """Everything a practitioner checks before trusting a run, with units.
+# ---------------------------------------------------------------------------------------
+# The figure
+# ---------------------------------------------------------------------------------------
 
-    `optimizers` and `schedule` are the one-line summaries optim.py makes; `flops` holds
-    the FLOP/token of both conventions ("causal", "palm"); `plan` config.data_plan's rows."""
-    budget = memory_estimate(cfg, n_params, n_muon, hardware.world,
-                             hardware.distributed == "FSDP", hardware.precision == "bf16")
-    lines = [
-        f"model: {n_params / 1e6:.2f}M parameters ({optimizers})",
-        f"FLOP/token: {flops['causal']:.3e} causal, {flops['palm']:.3e} palm "
-        f"(seq {cfg.seq_len:,})",
-        f"batch: {cfg.batch_summary(hardware.world)}",
-        f"schedule: {schedule}; this run stops at step {cfg.stop_at_step:,} of "
-        f"{cfg.total_steps:,}",
-        *(f"data from step {row['start']:,}: {row['source']} × {row['weight']:.3g}, "
-          f"{row['available']:,} train tokens/epoch; this run reads {row['planned']:,} tokens "
-          f"= {row['planned'] / row['available']:.2f} epochs" for row in plan),
-        f"hardware: {hardware.world} × {hardware.device} ({hardware.distributed}), "
-        f"precision {hardware.precision} (the config's mixed_precision={cfg.mixed_precision}, "
-        f"which wins over a launch config's), compile {hardware.compiled}, activation "
-        f"recompute {cfg.activation_recompute}",
-        f"code: {revision}",
-        "memory estimate per rank: " + " + ".join(
-            f"{k} {v:.2f}" for k, v in budget.items() if k != "total")
-        + f" = {budget['total']:.2f} GiB ({MEM_COLUMN[hardware.device.split(':')[0]]})",
-        "loss: cross-entropy + z-loss in nats per target token; val_loss is the cross-entropy "
-        "alone; val_bpb is bits per byte of the target text",
+PANELS = ("train loss", "val loss", "learning rate", "gradient norm", "tokens/s", "MFU")
+SMOOTHING_POINTS = 40  # the smoothed train loss averages over ~1/40 of the logged points
+
+
+def draw(runs: list[RunLog], reference: list[RunLog] = ()) -> Figure:
+    """The panels against tokens seen, one colour per run; for one run, its raw train loss
+    and each source's val loss as well, and the reference seeds in grey."""
+    fig = Figure(figsize=(13, 10.5))  # margins set by hand: a layout engine costs seconds
+    fig.subplots_adjust(left=0.06, right=0.985, bottom=0.06, top=0.93, hspace=0.22, wspace=0.16)
+    axes = dict(zip(PANELS, fig.subplots(3, 2, sharex=True).flat))
+    for seed in reference:
+        curve(axes["train loss"], seed, "train", "loss", color="0.75", lw=0.8, smooth=True,
+              label=f"reference {seed.name}", gid="reference")
+        curve(axes["val loss"], seed, "eval", "val_loss", color="0.75", lw=0.8, marker=".",
+              label=f"reference {seed.name}", gid="reference")
+    single = len(runs) == 1
+    for k, run in enumerate(runs):
+        color = f"C{k}"
+        name = "" if single else f"{run.name} "
+        if single:
+            curve(axes["train loss"], run, "train", "loss", color=color, alpha=0.35, lw=0.8,
+                  label="raw", gid="train loss raw")
+        curve(axes["train loss"], run, "train", "loss", color=color, smooth=True,
+              label=f"{name}smoothed", gid="train loss smoothed")
+        curve(axes["val loss"], run, "eval", "val_loss", color=color, marker="o", ms=3,
+              label=f"{name}mixture" if len(sources(run)) > 1 else name or "val loss",
+              gid="val loss")
+        if single and len(sources(run)) > 1:
+            for j, source in enumerate(sources(run)):
+                curve(axes["val loss"], run, "eval", f"val_loss/{source}", color=f"C{j + 1}",
+                      ls="--", lw=1, label=source, gid=f"val loss/{source}")
+        for j, key in enumerate(learning_rates(run)):
+            curve(axes["learning rate"], run, "train", key, color=f"C{j}" if single else color,
+                  ls=("-", "--", ":")[j % 3], label=f"{name}{key[3:]}", gid=key)
+        curve(axes["gradient norm"], run, "train", "grad_norm", color=color, lw=1,
+              label=name or None, gid="grad_norm")
+        skipped = [r["step"] for r in run.rows("skip")]
+        if skipped:  # at the top edge: a skipped step's norm is not a number
+            axes["gradient norm"].plot(tokens_at(run, skipped), [0.97] * len(skipped), "x",
+                                       color="red", transform=axes["gradient norm"]
+                                       .get_xaxis_transform(), label=f"{name}skipped step",
+                                       gid="skipped")
+        curve(axes["tokens/s"], run, "train", "tokens_per_s", color=color, lw=1,
+              label=name or None, gid="tokens_per_s")
+        curve(axes["MFU"], run, "train", "mfu", color=color, lw=1, scale=100,
+              label=name or None, gid="mfu")
+        marks = boundaries(run)
+        for ax in axes.values():
+            mark_boundaries(ax, marks, None if single else color, label=ax is axes["train loss"])
+    finish(fig, axes, runs)
+    return fig
+
+
+def curve(ax, run: RunLog, kind: str, key: str, smooth: bool = False, scale: float = 1,
+          **style):
+    """One series against tokens seen; a missing or non-finite value is a gap."""
+    rows = [r for r in run.rows(kind) if key in r]
+    x = np.array([r["tokens_seen"] for r in rows], dtype=float)
+    y = np.array([np.nan if r[key] is None else r[key] for r in rows], dtype=float) * scale
+    if np.isfinite(y).any():
+        ax.plot(x, ema(y) if smooth else y, **style)
+
+
+def ema(y: np.ndarray) -> np.ndarray:
+    """A debiased exponential moving average (TensorBoard's smoothing) over ~1/40 of the
+    points; a gap stays a gap and does not reset the average."""
+    beta = 1 - 1 / max(2.0, len(y) / SMOOTHING_POINTS)
+    out, average, weight = np.full_like(y, np.nan), 0.0, 0.0
+    for i, value in enumerate(y):
+        if np.isfinite(value):
+            average, weight = beta * average + (1 - beta) * value, beta * weight + (1 - beta)
+            out[i] = average / weight
+    return out
+
+
+def learning_rates(run: RunLog) -> list[str]:
+    """The lr_<optimizer> keys of the run's last log line."""
+    return [k for k in (run.rows("train")[-1:] or [{}])[0] if k.startswith("lr_")]
+
+
+def sources(run: RunLog) -> list[str]:
+    """The sources the run evaluates, in the order of its last evaluation."""
+    last = run.rows("eval")[-1:] or [{}]
+    return [k.split("/", 1)[1] for k in last[0] if k.startswith("val_loss/")]
+
+
+def boundaries(run: RunLog) -> list[tuple[str, int, float]]:
+    """(what, step, tokens seen) for each line every panel marks: the end of warmup, the
+    start of the decay leg, each data stage after the first, each resume and the branch
+    point; only those the run has reached."""
+    start, phases = run.starts[-1], run.starts[-1]["phases"]
+    marks = [("warmup end", phases["warmup_steps"]), ("decay start", phases["decay_start"])]
+    marks += [("data stage", s) for s in sorted({row["start"] for row in start["plan"]}) if s]
+    if run.branch:
+        marks.append((f"branched from {run.branch[0]}", run.branch[1]))
+    marks += [("resume", s["step"]) for s in run.starts[1:]
+              if s["step"] and (not run.branch or s["step"] != run.branch[1])]
+    reached = results(run)["step"]
+    marks = [(what, step) for what, step in marks if 0 < step <= reached]
+    tokens = tokens_at(run, [step for _, step in marks])
+    return [(what, step, x) for (what, step), x in zip(marks, tokens)]
+
+
+BOUNDARY_STYLE = {"warmup end": ("tab:green", "--"), "decay start": ("tab:orange", "--"),
+                  "data stage": ("tab:purple", "-."), "resume": ("0.5", ":")}
+
+
+def mark_boundaries(ax, marks: list, color: str | None, label: bool):
+    """Vertical lines at `boundaries`, each with gid "boundary:<what>:<step>"."""
+    seen = set()
+    for what, step, x in marks:
+        kind = what if what in BOUNDARY_STYLE else "resume"
+        line_color, style = BOUNDARY_STYLE[kind]
+        name = what if label and what not in seen else None
+        seen.add(what)
+        ax.axvline(x, color=color or line_color, ls=style, lw=0.9,
+                   alpha=0.8, label=name, gid=f"boundary:{what}:{step}")
+
+
+def tokens_at(run: RunLog, steps: list[int]) -> list[float]:
+    """Tokens seen at each step: read off the log where it has the step, and between or past
+    logged steps at the global batch of the start in effect."""
+    known = {s["step"]: s["tokens_seen"] for s in run.starts}
+    known.update({r["step"]: r["tokens_seen"] for kind in ("train", "eval")
+                  for r in run.rows(kind)})
+    at = sorted(known)
+    batch = run.config["global_batch_tokens"]
+    out = []
+    for step in steps:
+        below = max((s for s in at if s <= step), default=None)
+        out.append(float(known[below] + (step - below) * batch) if below is not None
+                   else float(step * batch))
+    return out
+
+
+def finish(fig: Figure, axes: dict, runs: list[RunLog]):
+    """Titles, units, legends and the tokens axis."""
+    units = {"train loss": "nats/token", "val loss": "nats/token", "tokens/s": "all ranks",
+             "MFU": "% of peak, causal FLOPs", "learning rate": "", "gradient norm": "before clip"}
+    for title, ax in axes.items():
+        ax.set_title(title, loc="left", fontsize=10)
+        ax.set_ylabel(units[title], fontsize=8)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="upper right")  # "best" searches every point
+    if not any(line.get_gid() == "mfu" for line in axes["MFU"].lines):
+        axes["MFU"].text(0.5, 0.5, "MFU n/a: no peak FLOP/s known for this device",
+                         ha="center", va="center", transform=axes["MFU"].transAxes)
+    for ax in (axes["tokens/s"], axes["MFU"]):
+        ax.set_xlabel("tokens seen")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: count(x)))
+    head = runs[0] if len(runs) == 1 else None
+    fig.suptitle(title_of(head) if head else " vs ".join(run.name for run in runs))
+
+
+def title_of(run: RunLog) -> str:
+    done, start = results(run), run.starts[-1]
+    return (f"{run.name}: preset {start.get('preset')}, {done['outcome']} at step "
+            f"{done['step']:,} of {run.config['stop_at_step']:,}, code {start['revision'][:12]}")
+
+
+def count(n: float) -> str:
+    """1234567 -> 1.23M; tokens and steps in the units people say them."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.3g}"
+
+
+# ---------------------------------------------------------------------------------------
+# The markdown
+# ---------------------------------------------------------------------------------------
+
+def markdown(run: RunLog, verdict: str | None) -> str:
+    """report.md: the figure, the results, each start, the config's diff from its preset,
+    the data plan and the sample."""
+    done, start = results(run), run.starts[-1]
+    lines = [f"# Run report: {run.name}", "", "![curves](report.png)", "",
+             f"{title_of(run)}.", ""]
+    if verdict:
+        lines += [verdict[0].upper() + verdict[1:] + ".", ""]
+    lines += ["## Results", "", "| | |", "|---|---|", *results_rows(run, done), "",
+              "## Starts", "", "Each start of the run: where it began, the code and hardware "
+              "it ran on, the knobs a resume changed, and how it ended.", "",
+              "| step | started | code | hardware | changed on resume | ended |",
+              "|---|---|---|---|---|---|", *start_rows(run), "",
+              f"## Config: the differences from the preset {start.get('preset')}", ""]
+    changes = start.get("preset_changes", [])
+    lines += (["| knob | preset | this run |", "|---|---|---|",
+               *(f"| {k} | {cell(a)} | {cell(b)} |" for k, a, b in changes)]
+              if changes else ["None: the preset as it is."])
+    lines += ["", "## Data plan", "", "| from step | source | weight | tokens available "
+              "(one epoch) | tokens planned | epochs |", "|---|---|---|---|---|---|"]
+    lines += [f"| {row['start']:,} | {row['source']} | {row['weight']:g} | "
+              f"{row['available']:,} | {row['planned']:,} | "
+              f"{row['planned'] / row['available']:.2f} |" for row in start["plan"]]
+    sample = run.rows("sample")
+    if sample:
+        text = sample[-1]["text"]  # the prompt and its continuation
+        fence = "`" * max(3, 1 + max((len(r) for r in text.split("\n") if set(r) == {"`"}),
+                                     default=0))
+        lines += ["", f"## Sample at step {sample[-1]['step']:,}", "", f"{fence}text", text,
+                  fence]
+    return "\n".join(lines + run_warnings(run)) + "\n"
+
+
+def results_rows(run: RunLog, done: dict) -> list[str]:
+    """The results table's rows: each number as the log has it, to the digits shown."""
+    per_source = ", ".join(f"{name} {number(v)}" for name, v in done["val_loss_per_source"].items())
+    warm = "" if done["throughput_warm"] else " (no interval but the first: warm-up included)"
+    checkpoints = done["checkpoints"]
+    rows = [
+        ("outcome", f"{done['outcome']} at step {done['step']:,} of "
+                    f"{run.config['stop_at_step']:,}"),
+        (f"train loss, step {done['train_step'] or 0:,}", number(done["train_loss"])),
+        (f"val loss, step {done['eval_step'] or 0:,}", number(done["val_loss"])
+         + (f" (the mixture; {per_source})" if len(done["val_loss_per_source"]) > 1 else "")),
+        ("val bits per byte", number(done["val_bpb"])),
+        ("tokens seen", f"{done['tokens_seen']:,}"),
+        ("wall time", f"{duration(done['wall_s'])} over {done['starts']} start"
+                      f"{'s' if done['starts'] > 1 else ''} (training, evaluation and "
+                      f"checkpoints; setup not counted)"),
+        ("tokens/s", (f"{done['tokens_per_s']:,.0f}" if done["tokens_per_s"] else "n/a")
+         + ", mean over the log intervals, the first of each start left out" + warm),
+        ("MFU", f"{done['mfu']:.1%} (causal FLOPs)" if done["mfu"] is not None
+         else "n/a (no peak FLOP/s known for this device)"),
+        ("peak memory", f"{done['peak_memory_gib']:.2f} GiB" if done["peak_memory_gib"]
+         is not None else "n/a"),
+        ("skipped steps", f"{done['skipped_steps']:,}"),
+        ("checkpoints written", f"{len(checkpoints)}" + (
+            f" (steps {', '.join(f'{s:,}' for s in checkpoints)})" if checkpoints else "")),
     ]
-    return "\n".join(lines)
+    return [f"| {name} | {value} |" for name, value in rows]
 
 
-# ---------------------------------------------------------------------------------------
-# The log: terminal, metrics.jsonl, wandb
-# ---------------------------------------------------------------------------------------
-
-class MetricsLogger:
-    """One line per log step to the terminal, metrics.jsonl and wandb, from the main process
-    only. A tqdm progress bar sits under the lines when stderr is a terminal; redirected to
-    a file or a scheduler's log, there is no bar and every line is a plain line."""
-
-    def __init__(self, cfg, is_main: bool, device: torch.device, world: int,
-                 flops: dict[str, float], start_step: int):
-        self.cfg, self.main, self.device, self.world = cfg, is_main, device, world
-        self.flops = flops
-        cuda = device.type == "cuda"
-        self.peak = peak_flops(torch.cuda.get_device_name(device) if cuda else "cpu")
-        self.start = time.perf_counter()
-        self.last_step, self.last_seconds = start_step, 0.0
-        self.bar = tqdm(total=cfg.stop_at_step, initial=start_step, dynamic_ncols=True,
-                        desc="train", disable=not (is_main and sys.stderr.isatty()))
-        self.jsonl = self.wandb = None
-        if self.main:
-            Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(Path(cfg.out_dir) / "metrics.jsonl", "a")
-            if cfg.wandb_mode != "disabled":
-                import wandb
-                self.wandb = wandb.init(project=cfg.wandb_project, mode=cfg.wandb_mode,
-                                        dir=cfg.out_dir, config=dataclasses.asdict(cfg))
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.bar.close()
-        if self.main:
-            self.jsonl.close()
-            if self.wandb is not None:
-                self.wandb.finish()
-
-    def print(self, line: str):
-        if self.main:  # tqdm.write prints above the bar, and plainly when there is none
-            self.bar.write(line)
-
-    def write(self, record: dict):
-        """One JSON object per line. NaN and inf (a skipped step's loss) are not JSON: they
-        are written as null, so every line parses with any JSON reader."""
-        record = {k: v if not isinstance(v, float) or math.isfinite(v) else None
-                  for k, v in record.items()}
-        if self.main:
-            self.jsonl.write(json.dumps(record, allow_nan=False) + "\n")
-            self.jsonl.flush()
-            if self.wandb is not None:
-                self.wandb.log(record, step=record["step"])
-
-    def log_train(self, step: int, result: dict, lrs: dict[str, float], tokens_seen: int,
-                  skipped_steps: int, train_seconds: float, tokens_read: dict) -> dict:
-        """Throughput over the steps since the last line, on training time only (evaluation
-        and checkpoints excluded). TFLOP/s and MFU follow from tokens/s by construction:
-        tflops = flops_per_token × tokens/s and mfu = tflops / (peak × ranks)."""
-        steps = step - self.last_step
-        seconds = max(train_seconds - self.last_seconds, 1e-9)
-        tokens_per_s = steps * self.cfg.global_batch_tokens / seconds
-        tflops = self.flops["causal"] * tokens_per_s / 1e12
-        tflops_palm = self.flops["palm"] * tokens_per_s / 1e12
-        peak_tflops = self.peak * self.world / 1e12 if self.peak else None
-        record = {
-            "step": step, "loss": result["loss"], "ce": result["ce"], "z": result["z"],
-            "grad_norm": result["grad_norm"], **{f"lr_{k}": v for k, v in lrs.items()},
-            "tokens_seen": tokens_seen,  # and below, the tokens read from each source so far
-            **{f"tokens/{source}": tokens for source, tokens in tokens_read.items()},
-            "tokens_per_s": tokens_per_s, "tflops": tflops, "tflops_palm": tflops_palm,
-            "mfu": tflops / peak_tflops if peak_tflops else None,
-            "mfu_palm": tflops_palm / peak_tflops if peak_tflops else None,
-            "memory_gib": memory_gib(self.device), "skipped_steps": skipped_steps,
-            "elapsed_s": time.perf_counter() - self.start,
-            "eta_s": (self.cfg.stop_at_step - step) * seconds / steps,
-        }
-        self.last_step, self.last_seconds = step, train_seconds
-        self.print(train_line(record, lrs, peak_tflops is not None))
-        self.bar.update(steps)
-        self.write(record)
-        return record
-
-    def log_eval(self, step: int, metrics: dict):
-        """The mixture's val loss and bits per byte, then each source's when there are
-        several (`val_loss/<source>`). The mixture's value weights the sources by the first
-        stage's shares for the whole run, so it stays comparable across a stage switch."""
-        sources = [k.split("/", 1)[1] for k in metrics if k.startswith("val_loss/")]
-        line = (f"eval {step:>6,} | val_loss {metrics['val_loss']:.4f} | "
-                f"val_bpb {metrics['val_bpb']:.4f}")
-        if len(sources) > 1:
-            line += " (mixture at the first stage's shares) | " + " | ".join(
-                f"{name} {metrics[f'val_loss/{name}']:.4f}" for name in sources)
-        self.print(line)
-        self.write({"step": step, **{k: v for k, v in metrics.items()
-                                     if k.split("/")[0] in ("val_loss", "val_bpb")}})
-
-    def log_epochs(self, epochs: dict[str, list[int]]):
-        """One line per source for the epochs of its train split begun since the last log
-        line: a small corpus can pass several in one interval (`data: train epochs 3–9 of
-        data/x began`)."""
-        for source, begun in epochs.items():
-            if begun:
-                which = f"s {begun[0]}–{begun[-1]}" if len(begun) > 1 else f" {begun[0]}"
-                self.print(f"data: train epoch{which} of {source} began")
-
-    def log_skipped(self, step: int, loss: float, grad_norm: float, skipped_steps: int):
-        """A step whose update was skipped; `step` is numbered as the training rows are."""
-        self.print(f"step {step:>6,} | non-finite loss {loss} or grad norm {grad_norm}: "
-                   f"update skipped ({skipped_steps} skipped so far)")
-        self.write({"step": step, "skipped": True, "loss": loss, "grad_norm": grad_norm})
+def start_rows(run: RunLog) -> list[str]:
+    rows = []
+    for start, end in zip(run.starts, run.ends):
+        hw = start["hardware"]
+        hardware = (f"{hw['world']} × {hw.get('device_name') or hw['device']} "
+                    f"({hw['distributed']}, {hw['precision']}, torch {hw.get('torch', '?')})")
+        changed = ", ".join(f"{k} {cell(a)} → {cell(b)}" for k, a, b in start["resume_changes"])
+        if start.get("resumed_from") and not changed:
+            changed = "none"
+        ended = (f"{end['outcome']} at step {end['step']:,}" + (f": {end['error']}"
+                 if end.get("error") else "")) if end else "no end record (killed?)"
+        cells = [f"{start['step']:,}", start["time"], start["revision"][:12], hardware,
+                 changed or "—", ended]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return rows
 
 
-def train_line(record: dict, lrs: dict[str, float], has_peak: bool) -> str:
-    """E.g. `step 100 | loss 4.0663 (ce 4.0574 z 8.93e-03) | gnorm 0.909 | lr muon 6.00e-03
-    adamw 3.00e-03 | 5,649 tok/s | 0.14 TFLOP/s | MFU n/a | mem 1.47 GiB | …` (the tiny run's
-    step 100, README's "What a run looks like")."""
-    mfu = f"{record['mfu']:.1%} ({record['mfu_palm']:.1%} palm)" if has_peak else "n/a"
-    rates = " ".join(f"{name} {lr:.2e}" for name, lr in lrs.items())
-    return (f"step {record['step']:>6,} | loss {record['loss']:.4f} (ce {record['ce']:.4f} "
-            f"z {record['z']:.2e}) | gnorm {record['grad_norm']:.3f} | lr {rates} | "
-            f"{record['tokens_per_s']:,.0f} tok/s | {record['tflops']:.2f} TFLOP/s | MFU {mfu} | "
-            f"mem {record['memory_gib']:.2f} GiB | {fmt_time(record['elapsed_s'])} elapsed, "
-            f"ETA {fmt_time(record['eta_s'])}")
+def run_warnings(run: RunLog) -> list[str]:
+    return ["", "## Warnings", "", *(f"- {w}" for w in run.warnings)] if run.warnings else []
 
 
-def memory_gib(device: torch.device) -> float:
-    """Peak CUDA memory allocated, or the process's peak resident memory on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+def number(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
 
 
-def fmt_time(seconds: float) -> str:
-    minutes, s = divmod(int(seconds), 60)
+def cell(value) -> str:
+    """A config value in a table cell."""
+    return json.dumps(value).replace("|", "\\|")
+
+
+def duration(seconds: float) -> str:
+    minutes, s = divmod(round(seconds), 60)
     hours, m = divmod(minutes, 60)
-    return f"{hours}h{m:02d}m" if hours else f"{m}m{s:02d}s"
+    return f"{hours}h{m:02d}m{s:02d}s" if hours else f"{m}m{s:02d}s"
+
+
+def comparison(runs: list[RunLog]) -> str:
+    """report.md of several runs: the overlay, their finals, and the knobs that differ."""
+    lines = [f"# Runs compared: {', '.join(run.name for run in runs)}", "",
+             "![curves](report.png)", ""]
+    lines += [f"{run.name} continues {run.branch[0]} from its step {run.branch[1]:,}: up to "
+              f"there they are the same run." for run in runs if run.branch]
+    lines += ["", "## Finals", "", "| run | outcome | step | tokens seen | train loss | "
+              "val loss | val bpb | tokens/s | MFU | wall time |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        done = results(run)
+        lines.append(f"| {run.name} | {done['outcome']} | {done['step']:,} | "
+                     f"{done['tokens_seen']:,} | {number(done['train_loss'])} | "
+                     f"{number(done['val_loss'])} | {number(done['val_bpb'])} | "
+                     + (f"{done['tokens_per_s']:,.0f}" if done["tokens_per_s"] else "n/a")
+                     + f" | {'n/a' if done['mfu'] is None else format(done['mfu'], '.1%')} | "
+                     f"{duration(done['wall_s'])} |")
+    differing = knob_differences(runs)
+    lines += ["", "## Knobs that differ", ""]
+    lines += (["| knob | " + " | ".join(run.name for run in runs) + " |",
+               "|---|" + "---|" * len(runs),
+               *(f"| {knob} | " + " | ".join(cell(v) for v in values) + " |"
+                 for knob, values in differing.items())]
+              if differing else ["None (out_dir and resume aside)."])
+    return "\n".join(lines + [w for run in runs for w in run_warnings(run)]) + "\n"
+
+
+def knob_differences(runs: list[RunLog]) -> dict[str, list]:
+    """knob -> each run's value, for the knobs the runs' final configs do not share."""
+    flat = [flatten(run.config) for run in runs]
+    knobs = sorted({k for config in flat for k in config} - NOT_COMPARED)
+    missing = object()
+    return {k: [c.get(k) for c in flat] for k in knobs
+            if len({json.dumps(c.get(k, missing) if c.get(k, missing) is not missing
+                               else "(absent)") for c in flat}) > 1}
+
+
+def flatten(config: dict) -> dict:
+    model = config.get("model", {})
+    return {**{k: v for k, v in config.items() if k != "model"},
+            **{f"model.{k}": v for k, v in model.items()}}
+
+
+# ---------------------------------------------------------------------------------------
+# Writing, and the command
+# ---------------------------------------------------------------------------------------
+
+def write(folders: list, out: Path | None = None) -> tuple[Path, str | None, list[str]]:
+    """report.md and report.png of one run (into its folder unless `out` says) or of
+    several compared (into `out`); the folder written, the reference verdict of a single
+    run (reference_verdict), and the warnings of the logs read."""
+    runs = [read_run(folder) for folder in folders]
+    out = Path(out) if out else runs[0].path
+    verdict = reference_verdict(runs[0]) if len(runs) == 1 else None
+    if len(runs) == 1:
+        reference = reference_runs() if verdict else []
+        figure, text = draw(runs, reference), markdown(runs[0], verdict)
+    else:
+        figure, text = draw(runs), comparison(runs)
+    out.mkdir(parents=True, exist_ok=True)
+    # Each file appears whole or not at all, even with a second writer at work (a restart
+    # whose report overlaps the one before).
+    tmp = f".tmp-{os.getpid()}"
+    figure.savefig(out / f"report.png{tmp}", format="png", dpi=100)
+    (out / f"report.md{tmp}").write_text(text)
+    os.replace(out / f"report.png{tmp}", out / "report.png")
+    os.replace(out / f"report.md{tmp}", out / "report.md")
+    return out, verdict, [w for run in runs for w in run.warnings]
+
+
+def cli(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Write report.md and report.png from a run's out_dir (its metrics.jsonl "
+                    "alone), or compare several runs in one figure and table.")
+    parser.add_argument("folders", nargs="+", metavar="OUT_DIR", help="a run's out_dir")
+    parser.add_argument("--out", metavar="DIR", help="where to write; required to compare "
+                        "several runs (default for one run: its own folder)")
+    parser.add_argument("--quiet", action="store_true", help="print warnings only")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error, not just its message")
+    args = parser.parse_args(argv)
+    with user_errors(args.debug):
+        if len(args.folders) > 1 and not args.out:
+            raise ValueError(f"comparing {len(args.folders)} runs needs --out DIR, a folder "
+                             f"for the comparison's report.md and report.png")
+        out, verdict, warnings = write(args.folders, args.out)
+        for warning in warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+        if not args.quiet:
+            print(f"report: {out / 'report.md'} and {out / 'report.png'}")
+            if verdict:
+                print(verdict)
+
+
+if __name__ == "__main__":
+    cli()

@@ -6,13 +6,14 @@
 
 `main(cfg)` is the whole program. `setup` builds the accelerator, data, model, optimizers
 and restores the checkpoint, if any. `train` runs the loop; each pass runs, in order:
-evaluate (every eval_every steps) → set the learning rates and the data stage from the
-step → one optimizer step (forward and backward over every micro-batch, clip, step) → log
-→ checkpoint (every ckpt_every steps). accelerate supplies the launch (one process per
-rank, the rendezvous), DDP, bf16 autocast and the accumulation's gradient sync; train.py
-shards the model for FSDP2 itself (`shard_model`), honours two of the launch config's FSDP
-keys and refuses the rest (config.check_launch). The plumbing (checkpoints, the log)
-lives in checkpoint.py and report.py.
+evaluate (every eval_every steps) → checkpoint (every ckpt_every steps; the log then has
+report.py redraw the run report, out_dir/report.md and report.png, once more as the run
+ends) → set the learning rates and the data stage from the step → one optimizer step
+(forward and backward over every micro-batch, clip, step) → log. accelerate supplies the
+launch (one process per rank, the rendezvous), DDP, bf16 autocast and the accumulation's
+gradient sync; train.py shards the model for FSDP2 itself (`shard_model`), honours two of
+the launch config's FSDP keys and refuses the rest (config.check_launch). The plumbing
+(checkpoints, the log) lives in checkpoint.py and log.py.
 
 Loss normalisation. The loss is the mean over every target token of the global batch, all
 micro-batches on all ranks, as if it were one big batch. Micro-batches can hold different
@@ -21,8 +22,8 @@ in other loaders), so a mean of per-micro-batch means would weight a token by th
 the micro-batch it landed in. So each micro-batch returns the *sum* of its token losses,
 and the target tokens of the whole global batch are counted before any backward pass.
 
-Imports from stacklm: checkpoint, cli, config, data, hf_export, model, optim, prepare,
-report and sample: it composes them.
+Imports from stacklm: checkpoint, cli, config, data, hf_export, log, model, optim,
+prepare and sample: it composes them.
 """
 
 import dataclasses
@@ -43,9 +44,9 @@ import checkpoint
 import config
 import data
 import hf_export
+import log
 import optim
 import prepare
-import report
 import sample
 from cli import user_errors
 from config import TrainConfig
@@ -66,7 +67,12 @@ class Run:
     tokens_seen: int = 0  # tokens trained on, all ranks together
     skipped_steps: int = 0  # updates skipped for a non-finite loss or grad norm, in all
     new_sources: bool = False  # a resume added sources: evaluate them before training on
-    revision: str = "unknown"  # the git revision of the code that runs (report.code_revision)
+    revision: str = "unknown"  # the git revision of the code that runs (log.code_revision)
+    # What the log's start record says of this start (start_record), beside the above:
+    hardware: log.Hardware | None = None
+    plan: list[dict] = dataclasses.field(default_factory=list)  # config.data_plan's rows
+    resumed_from: str | None = None  # the checkpoint this start continues
+    resume_changes: list = dataclasses.field(default_factory=list)  # (knob, old, new)
 
     def state_dict(self) -> dict:
         """What a checkpoint's train_state.json holds (checkpoint.py writes the weights, the
@@ -96,16 +102,19 @@ def main(cfg: TrainConfig) -> dict:
     # saves and exits 0; one that comes during setup stops the run after its first step.
     with checkpoint.StopFlag() as stop:
         run = setup(cfg)
-        metrics = train(run, stop)
-        if run.step == cfg.stop_at_step:
-            metrics["sample"] = sample_text(cfg, run.accelerator, run.model)
-            run.accelerator.print(f"sample ({cfg.sample_prompt!r} →):\n{metrics['sample']}")
+        # The log: the terminal, metrics.jsonl (which the run report is drawn from) and wandb.
+        # However the run ends, leaving this block records how, and writes the report.
+        with make_logger(run) as logger:
+            metrics = train(run, stop, logger)
+            if run.step == cfg.stop_at_step:
+                metrics["sample"] = sample_text(cfg, run.accelerator, run.model)
+                logger.log_sample(run.step, cfg.sample_prompt, metrics["sample"])
         outcome = "finished" if run.step == cfg.stop_at_step else "stopped"
         checkpoint.record_outcome(outcome, run.step, run.accelerator.is_local_main_process)
     return metrics
 
 
-def train(run: Run, stop: checkpoint.StopFlag) -> dict:
+def train(run: Run, stop: checkpoint.StopFlag, logger: log.MetricsLogger) -> dict:
     """The loop, from run.step to cfg.stop_at_step or to a stop request; the last logged
     metrics and evaluation. Each pass first evaluates and saves the step it has reached,
     when due, then trains one step; the last step is evaluated and saved by the same lines
@@ -115,51 +124,50 @@ def train(run: Run, stop: checkpoint.StopFlag) -> dict:
     token_bytes = data.token_bytes(run.stages[0].sources[0][0]).to(run.accelerator.device)
     bad_steps = 0  # consecutive steps whose update was skipped (non-finite loss or norm)
     first_step, last_ckpt, train_seconds, metrics = run.step, run.step, 0.0, {}
-    with make_logger(run) as logger:
-        while True:
-            last_step = run.step == cfg.stop_at_step
-            # A source new to a resumed run is evaluated at once: its curve has a before.
-            if run.step % cfg.eval_every == 0 or last_step or run.new_sources:
-                metrics.update(validate(run, token_bytes))
-                logger.log_eval(run.step, metrics)
-            # Not the step the run started from (step 0, or the checkpoint it resumed from),
-            # and never during a non-finite streak: the weights may already be the damage.
-            if (run.step % cfg.ckpt_every == 0 or last_step) and run.step != first_step \
-                    and bad_steps == 0:
-                save_checkpoint(run)
-                last_ckpt = run.step
-            if last_step:
-                return metrics
+    while True:
+        last_step = run.step == cfg.stop_at_step
+        # A source new to a resumed run is evaluated at once: its curve has a before.
+        if run.step % cfg.eval_every == 0 or last_step or run.new_sources:
+            metrics.update(validate(run, token_bytes))
+            logger.log_eval(run.step, run.tokens_seen, metrics)
+        # Not the step the run started from (step 0, or the checkpoint it resumed from),
+        # and never during a non-finite streak: the weights may already be the damage.
+        if (run.step % cfg.ckpt_every == 0 or last_step) and run.step != first_step \
+                and bad_steps == 0:
+            save_checkpoint(run, logger)
+            last_ckpt = run.step
+        if last_step:
+            return metrics
 
-            # The learning rate is a pure function of the step (never a prepared scheduler:
-            # accelerate would step it once per process), and so is the data stage.
-            run.optimizers.set_lr(optim.lr_multiplier(run.step, cfg))
-            run.loader.set_step(run.step)
-            result = train_step(run, stop)
-            train_seconds += result["seconds"]
-            run.step += 1
-            run.tokens_seen += cfg.global_batch_tokens
+        # The learning rate is a pure function of the step (never a prepared scheduler:
+        # accelerate would step it once per process), and so is the data stage.
+        run.optimizers.set_lr(optim.lr_multiplier(run.step, cfg))
+        run.loader.set_step(run.step)
+        result = train_step(run, stop)
+        train_seconds += result["seconds"]
+        run.step += 1
+        run.tokens_seen += cfg.global_batch_tokens
 
-            if result["skipped"]:
-                bad_steps, run.skipped_steps = bad_steps + 1, run.skipped_steps + 1
-                logger.log_skipped(run.step, result["loss"], result["grad_norm"],
-                                   run.skipped_steps)
-                if bad_steps >= cfg.max_bad_steps:
-                    give_up(run, bad_steps, last_ckpt)
-            else:
-                bad_steps = 0
-            if run.step % cfg.log_every == 0 or run.step == cfg.stop_at_step:
-                metrics.update(logger.log_train(run.step, result, run.optimizers.lrs(),
-                                                run.tokens_seen, run.skipped_steps,
-                                                train_seconds, run.loader.tokens_read()))
-                logger.log_epochs(run.loader.take_new_epochs())
-            if result["stop"]:  # a signal: save this step (no evaluation), and stop
-                if bad_steps == 0:
-                    save_checkpoint(run)
-                run.accelerator.print(f"stop requested after step {run.step:,}; the newest "
-                                      f"checkpoint is {checkpoint.newest(cfg.out_dir)}; run "
-                                      f"the same command again to resume")
-                return metrics
+        if result["skipped"]:
+            bad_steps, run.skipped_steps = bad_steps + 1, run.skipped_steps + 1
+            logger.log_skipped(run.step, result["loss"], result["grad_norm"],
+                               run.skipped_steps)
+            if bad_steps >= cfg.max_bad_steps:
+                give_up(run, bad_steps, last_ckpt)
+        else:
+            bad_steps = 0
+        if run.step % cfg.log_every == 0 or run.step == cfg.stop_at_step:
+            metrics.update(logger.log_train(run.step, result, run.optimizers.lrs(),
+                                            run.tokens_seen, run.skipped_steps,
+                                            train_seconds, run.loader.tokens_read()))
+            logger.log_epochs(run.loader.take_new_epochs())
+        if result["stop"]:  # a signal: save this step (no evaluation), and stop
+            if bad_steps == 0:
+                save_checkpoint(run, logger)
+            run.accelerator.print(f"stop requested after step {run.step:,}; the newest "
+                                  f"checkpoint is {checkpoint.newest(cfg.out_dir)}; run "
+                                  f"the same command again to resume")
+            return metrics
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -186,12 +194,16 @@ def setup(cfg: TrainConfig) -> Run:
         model = shard_model(model, accelerator.device, accelerator.mixed_precision == "bf16",
                             config.reshard_after_forward(os.environ))
     optimizers = optim.build_optimizers(model, cfg)
-    revision = report.code_revision()
-    accelerator.print(banner(cfg, accelerator, model, optimizers, plan, compiled, revision))
+    revision = log.code_revision()
+    hardware = log.Hardware(accelerator.num_processes, str(accelerator.device),
+                            accelerator.distributed_type.value, accelerator.mixed_precision,
+                            compiled, log.device_name(accelerator.device))
+    accelerator.print(banner(cfg, hardware, model, optimizers, plan, revision))
     accelerator.print("\n".join(warnings), end="\n" if warnings else "")
     model, *prepared = accelerator.prepare(model, *optimizers.named.values())
     optimizers = optim.Optimizers(dict(zip(optimizers.named, prepared, strict=True)))
-    run = Run(cfg, accelerator, model, optimizers, loader, stages, manifests, revision=revision)
+    run = Run(cfg, accelerator, model, optimizers, loader, stages, manifests, revision=revision,
+              hardware=hardware, plan=plan)
     resume(run, candidates)
     return run
 
@@ -385,16 +397,13 @@ def shard_model(model: Transformer, device: torch.device, bf16: bool,
     return model
 
 
-def banner(cfg: TrainConfig, accelerator, model, optimizers, plan, compiled,
+def banner(cfg: TrainConfig, hardware: log.Hardware, model, optimizers, plan,
            revision: str) -> str:
-    """The start-up summary report.py prints: parameters, FLOPs, batch, schedule, memory."""
-    hardware = report.Hardware(accelerator.num_processes, str(accelerator.device),
-                               accelerator.distributed_type.value,
-                               accelerator.mixed_precision, compiled)
+    """The start-up summary log.py prints: parameters, FLOPs, batch, schedule, memory."""
     muon = optimizers.named.get("muon")
     n_muon = sum(p.numel() for g in muon.param_groups for p in g["params"]) if muon else 0
     n_params = sum(p.numel() for p in model.parameters())
-    return report.banner(cfg, hardware, n_params, n_muon, optimizers.summary(),
+    return log.banner(cfg, hardware, n_params, n_muon, optimizers.summary(),
                          optim.schedule_summary(cfg), model_flops(cfg), plan, revision)
 
 
@@ -402,21 +411,42 @@ def model_flops(cfg: TrainConfig) -> dict[str, float]:  # FLOP/token in both con
     return {c: flops_per_token(cfg.model, cfg.seq_len, c) for c in ("causal", "palm")}
 
 
-def make_logger(run: Run) -> report.MetricsLogger:
-    return report.MetricsLogger(run.cfg, run.accelerator.is_main_process,
-                                run.accelerator.device, run.accelerator.num_processes,
-                                model_flops(run.cfg), start_step=run.step)
+def make_logger(run: Run) -> log.MetricsLogger:
+    """The log, opened with this start's record."""
+    logger = log.MetricsLogger(run.cfg, run.accelerator.is_main_process,
+                               run.accelerator.device, run.accelerator.num_processes,
+                               model_flops(run.cfg), start_step=run.step)
+    logger.log_start(start_record(run))
+    return logger
 
 
-def save_checkpoint(run: Run):
+def start_record(run: Run) -> dict:
+    """What metrics.jsonl records of each start, so that report.py can describe the whole
+    run from out_dir alone (old checkpoints are pruned): where it starts, the config and
+    how it differs from its nearest preset, the code, the hardware, the data plan, the
+    schedule's phases, and what a resume continued and changed."""
+    cfg = run.cfg
+    preset, preset_changes = config.nearest_preset(cfg)
+    return {"step": run.step, "tokens_seen": run.tokens_seen,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "preset": preset, "preset_changes": preset_changes,
+            "config": dataclasses.asdict(cfg), "revision": run.revision,
+            "hardware": dataclasses.asdict(run.hardware), "plan": run.plan,
+            "phases": config.wsd_phases(cfg)._asdict(),
+            "resumed_from": run.resumed_from, "resume_changes": run.resume_changes}
+
+
+def save_checkpoint(run: Run, logger: log.MetricsLogger):
     """out_dir/ckpt/step_XXXXXXX: weights, optimizers, RNGs and run.state_dict(), all a
-    bitwise resume needs."""
+    bitwise resume needs; then the log records it (and redraws the run report)."""
+    t0 = time.perf_counter()
     # Never pruned: the checkpoints where a stage begins and where the decay leg begins, the
     # branch points of anneals (WSD's point).
     keep = {stage.start for stage in run.stages} | {config.wsd_phases(run.cfg).decay_start}
     checkpoint.save(run.accelerator, run.accelerator.unwrap_model(run.model),
                     list(run.optimizers.named.values()), run.state_dict(), run.cfg.out_dir,
                     run.cfg.keep_last_ckpts, keep)
+    logger.log_checkpoint(run.step, time.perf_counter() - t0)
 
 
 def resume(run: Run, candidates: list[Path]):
@@ -466,11 +496,13 @@ def load_checkpoint(run: Run, path: Path):
     saved_stages = state.get("stages") or [[0, [[state["config"]["data_dir"], 1.0]]]]
     for line in config.check_stages(saved_stages, run.stages, state["step"]):
         run.accelerator.print(line)
-    for name, old, new in config.resume_changes(run.cfg, state["config"]):
+    run.resume_changes = config.resume_changes(run.cfg, state["config"])
+    for name, old, new in run.resume_changes:
         run.accelerator.print(f"resume: {name} {old} → {new}")
     run.load_state_dict(state)  # the loader refuses changed sources: before any I/O
     checkpoint.load(run.accelerator, run.accelerator.unwrap_model(run.model),
                     list(run.optimizers.named.values()), path)
+    run.resumed_from = str(Path(path).resolve())
 
 
 def loader_state(state: dict) -> dict:
@@ -515,7 +547,7 @@ def export(cfg: TrainConfig, given=frozenset(), fmt: str = "stacklm") -> Path:
     data_dir = config.parse_mixture(spec)[0][0]  # a mixture's sources share one tokenizer
     provenance = {"checkpoint": str(ckpt), "step": state["step"],
                   "trained_by": state.get("revision", "unknown"),
-                  "exported_by": report.code_revision()}
+                  "exported_by": log.code_revision()}
     tokenizer = trained_tokenizer(ckpt, state, data_dir)
     if fmt == "hf":  # a transformers folder (hf_export.py says which class reads it)
         weights = checkpoint.read_model(ckpt, Transformer(model_cfg))

@@ -46,7 +46,7 @@ import checkpoint  # noqa: E402
 import config  # noqa: E402
 import data  # noqa: E402
 import optim  # noqa: E402
-import report  # noqa: E402
+import log  # noqa: E402
 import train  # noqa: E402
 from model import flops_per_token  # noqa: E402
 
@@ -226,13 +226,13 @@ def measure(variant: Variant, cfg, steps: int, warmup: int, dry_run: bool, t0: f
     finally:
         accelerator.free_memory()
     tokens_per_s = steps * cfg.global_batch_tokens / seconds
-    peak = report.peak_flops(device_name())
+    peak = log.peak_flops(device_name())
     mfu = {c: flops_per_token(cfg.model, cfg.seq_len, c) * tokens_per_s / peak if peak else None
            for c in ("causal", "palm")}
     return {"name": variant.name, "micro_batch_size": cfg.micro_batch_size,
             "ce_chunk_size": cfg.model.ce_chunk_size, "tokens_per_s": round(tokens_per_s, 1),
             "mfu": mfu["causal"], "mfu_palm": mfu["palm"],
-            "peak_gib": round(report.memory_gib(accelerator.device), 3),
+            "peak_gib": round(log.memory_gib(accelerator.device), 3),
             "loss": result["loss"], "step_s": round(seconds / steps, 4),
             "seconds": round(time.perf_counter() - t0, 1), "error": None}
 

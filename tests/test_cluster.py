@@ -101,7 +101,7 @@ def all_below(pid: int) -> list[int]:
 def wait_for_steps(cfg, n: int, proc: subprocess.Popen):
     metrics = Path(cfg.out_dir) / "metrics.jsonl"
     deadline = time.time() + 180
-    while not metrics.exists() or len(metrics.read_text().splitlines()) < n:
+    while not metrics.exists() or metrics.read_text().count('"kind": "train"') < n:
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
         time.sleep(0.05)
 
@@ -325,13 +325,13 @@ def test_a_sigterm_during_setup_stops_the_run_after_its_first_step(small_data_di
     """README: a signal during setup (hashing shards, building the model: minutes at scale)
     stops the run after its first step, saved. A handler of the test's own catches any
     SIGTERM the run's handler does not take."""
-    import report
-    revision, escaped = report.code_revision, []
+    import log
+    revision, escaped = log.code_revision, []
 
     def interrupted():
         os.kill(os.getpid(), signal.SIGTERM)
         return revision()
-    monkeypatch.setattr(report, "code_revision", interrupted)  # called inside setup
+    monkeypatch.setattr(log, "code_revision", interrupted)  # called inside setup
     monkeypatch.setenv(checkpoint.OUTCOME_FILE, str(tmp_path / "out"))
     previous = signal.signal(signal.SIGTERM, lambda *_: escaped.append(True))
     try:

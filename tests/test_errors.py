@@ -118,7 +118,7 @@ def test_a_diverging_run_checkpoints_no_damage_and_the_advice_works(small_data_d
     with pytest.raises(train.TrainingDiverged, match=r"--muon_peak_lr=1e\+06") as error:
         train.main(wild)
     bad = [r["step"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text()
-                                  .splitlines()) if r.get("skipped")]
+                                  .splitlines()) if r["kind"] == "skip"]
     saved = sorted(int(p.name[5:]) for p in (tmp_path / "ckpt").glob("step_[0-9]*[0-9]"))
     assert bad and all(s < bad[0] - 1 for s in saved), (bad, saved)  # none of the damage
     assert "lr muon 1.00e+06 adamw 1.00e+06" in str(error.value)
@@ -156,7 +156,7 @@ def test_metrics_are_valid_json_on_every_line(small_data_dir, tmp_path, monkeypa
         raise ValueError(f"{constant} is not JSON")
     lines = [json.loads(x, parse_constant=refuse)
              for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    skipped = [r for r in lines if r.get("skipped")]
-    assert skipped == [{"step": 2, "skipped": True, "loss": None, "grad_norm": None}]
+    skipped = [r for r in lines if r["kind"] == "skip"]
+    assert skipped == [{"kind": "skip", "step": 2, "loss": None, "grad_norm": None}]
     assert [r["step"] for r in lines if "lr_muon" in r] == [1, 2, 3, 4]
     assert next(r for r in lines if r.get("step") == 2 and "lr_muon" in r)["loss"] is None

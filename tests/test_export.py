@@ -150,7 +150,7 @@ def test_the_revision_is_recorded_in_the_checkpoint_the_banner_and_the_export(tr
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip()
     dirty = git("status", "--porcelain", "--untracked-files=no") != ""
-    revision = train.report.code_revision()
+    revision = train.log.code_revision()
     assert revision == git("rev-parse", "HEAD") + ("-dirty" if dirty else "")
     state = json.loads((Path(trained.out_dir) / "ckpt" / "step_0000008" /
                         "train_state.json").read_text())
@@ -164,7 +164,7 @@ def test_the_revision_is_recorded_in_the_checkpoint_the_banner_and_the_export(tr
 def test_outside_a_git_checkout_the_revision_is_unknown(tmp_path):
     copy = tmp_path / "copied"
     copy.mkdir()
-    shutil.copy(REPO / "report.py", copy)
-    assert train.report.code_revision(copy) == "unknown"
+    shutil.copy(REPO / "log.py", copy)
+    assert train.log.code_revision(copy) == "unknown"
     nested = REPO / "tests" / "__pycache__"  # inside this repository, but not its top
-    assert train.report.code_revision(nested if nested.is_dir() else REPO / "tests") == "unknown"
+    assert train.log.code_revision(nested if nested.is_dir() else REPO / "tests") == "unknown"

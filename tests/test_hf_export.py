@@ -126,5 +126,5 @@ def test_train_export_format_hf_writes_the_checkpoint_as_a_transformers_folder(
     model.load_state_dict(checkpoint_weights(cfg, 4))
     ids = ids_of(str(Path(small_data_dir) / "tokenizer.json"))
     assert (hf_logits(hf, ids) - stack_logits(model, ids)).abs().max() < TOLERANCE
-    assert hf.config.stacklm_revision == train.report.code_revision()
+    assert hf.config.stacklm_revision == train.log.code_revision()
     assert dataclasses.asdict(cfg.model)["nope_every"] == 2  # micro_config's NoPE layers

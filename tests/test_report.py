@@ -1,106 +1,349 @@
-"""report.py: the peak-FLOP table, the memory estimate's activation constant, the log line."""
+"""report.py: what the run report draws and says, read back from the figure's artists and the
+markdown's table, against the records of metrics.jsonl as this test reads them itself."""
 
 import dataclasses
-import io
 import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import config
+import log
 import report
-from model import Transformer
+import train
+from conftest import micro_config
+
+REPO = Path(__file__).resolve().parent.parent
 
 
-def test_peak_flops_table():
-    assert report.peak_flops("NVIDIA H200") == 989e12
-    assert report.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
-    assert report.peak_flops("NVIDIA H100 PCIe") == 756e12
-    assert report.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
-    assert report.peak_flops("cpu") is None
+# --- helpers ----------------------------------------------------------------------------
+
+def records(out_dir, kind: str) -> list[dict]:
+    """The log's records of one kind, read with a strict JSON parser (no NaN, no Infinity)."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    lines = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in (json.loads(x, parse_constant=refuse) for x in lines) if r["kind"] == kind]
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_activation_constant_of_the_memory_estimate(bf16):
-    """Recount the bytes autograd saves per token per Stack-100M-shaped block (the slope
-    between two batch sizes, so weights and their bf16 copies cancel out)."""
-    cfg = dataclasses.replace(config.StackConfig(), n_layers=2, vocab_size=512)
-    model = Transformer(cfg)
-
-    def saved_bytes(batch_size: int) -> int:
-        storages = {}
-
-        def pack(t):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-        ids = torch.randint(0, 512, (batch_size, 128))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            model(ids, targets=ids, seq_ids=torch.zeros_like(ids))
-        return sum(storages.values())
-    per_token_block = (saved_bytes(4) - saved_bytes(2)) / (2 * 128) / cfg.n_layers
-    expected = report.ACTIVATION_BYTES_PER_D[bf16] * cfg.d_model
-    assert per_token_block == pytest.approx(expected, rel=0.15)
+def series(fig, gid: str, panel: str | None = None) -> list:
+    """The lines with this gid, on one panel (by title) or on all of them."""
+    return [line for ax in fig.axes for line in ax.lines if line.get_gid() == gid
+            and (panel is None or ax.get_title(loc="left") == panel)]
 
 
-def test_memory_estimate_counts_optimizer_state_and_recomputed_blocks():
-    """Plain arithmetic for the weights and optimizer terms: 8 bytes per parameter for fp32
-    weights + grads, 4 per Muon parameter, 8 per AdamW parameter, divided by the ranks
-    under FSDP; recomputing every block leaves one block's activations plus the inputs."""
-    cfg = config.stack100m()
-    n, n_muon, gib = 100_000_000, 80_000_000, 2**30
-    plain = report.memory_estimate(cfg, n, n_muon, world=1, sharded=False, bf16=True)
-    assert plain["weights+grads"] == pytest.approx(8 * n / gib)
-    assert plain["optimizer"] == pytest.approx((4 * n_muon + 8 * 20_000_000) / gib)
-    sharded = report.memory_estimate(cfg, n, n_muon, world=4, sharded=True, bf16=True)
-    assert sharded["optimizer"] == pytest.approx(plain["optimizer"] / 4)
-    full = report.memory_estimate(config.apply_overrides(cfg, {"activation_recompute": "full"}),
-                                  n, n_muon, world=1, sharded=False, bf16=True)
-    tokens, d = cfg.micro_batch_size * cfg.seq_len, cfg.model.d_model
-    block, block_input = tokens * 66 * d, tokens * d * 2
-    assert full["activations"] == pytest.approx((30 * block_input + block) / gib)
-    assert plain["activations"] == pytest.approx(30 * block / gib)
+def table(markdown: str) -> dict[str, str]:
+    """The two-column results table of report.md: name -> value."""
+    return dict(re.findall(r"^\| ([^|]+?) \| ([^|]+?) \|$", markdown, re.M))
 
 
-def test_log_line_labels_each_learning_rate(tmp_path, monkeypatch):
-    """The rates are labelled by optimizer, in the order given, and the metrics record
-    carries the same numbers under lr_<name>."""
-    cfg = config.apply_overrides(config.tiny(), {"out_dir": str(tmp_path)})
-    flops = {"causal": 1e9, "palm": 2e9}
-    printed = io.StringIO()
-    monkeypatch.setattr("sys.stdout", printed)
-    with report.MetricsLogger(cfg, True, torch.device("cpu"), 1, flops, start_step=0) as log:
-        result = {"loss": 4.0, "ce": 3.99, "z": 0.01, "grad_norm": 0.5}
-        log.log_train(10, result, {"muon": 6e-3, "adamw": 3e-3}, 40960, 0, train_seconds=2.0,
-                      tokens_read={})
-    assert "| lr muon 6.00e-03 adamw 3.00e-03 |" in printed.getvalue()
-    record = json.loads((tmp_path / "metrics.jsonl").read_text())
-    assert (record["lr_muon"], record["lr_adamw"]) == (6e-3, 3e-3)
-    # Independent arithmetic: 10 steps of 4,096 tokens in 2 s, 1e9 FLOP per token.
-    assert record["tokens_per_s"] == pytest.approx(20480)
-    assert record["tflops"] == pytest.approx(20480 * 1e9 / 1e12)
+def start_record(step=0, tokens_seen=0, **config) -> dict:
+    """A start record as train.start_record writes it, for a hand-made log."""
+    cfg = {"global_batch_tokens": 100, "stop_at_step": 300, **config}
+    return {"kind": "start", "step": step, "tokens_seen": tokens_seen, "time": "t",
+            "preset": "tiny", "preset_changes": [["out_dir", "out/tiny", "x"]], "config": cfg,
+            "revision": "abc", "plan": [{"start": 0, "source": "d", "weight": 1.0,
+                                         "available": 10**6, "planned": 30_000}],
+            "hardware": {"world": 1, "device": "cpu", "distributed": "NO", "precision": "no",
+                         "compiled": False},
+            "phases": {"warmup_steps": 30, "stable_steps": 210, "decay_steps": 60,
+                       "decay_start": 240},
+            "resumed_from": None, "resume_changes": []}
 
 
-def test_no_progress_bar_when_not_a_terminal(tmp_path, capsys):
-    """Redirected output gets plain lines only: no carriage returns from a tqdm bar."""
-    cfg = config.apply_overrides(config.tiny(), {"out_dir": str(tmp_path)})
-    with report.MetricsLogger(cfg, True, torch.device("cpu"), 1, {"causal": 1.0, "palm": 1.0},
-                              start_step=0) as log:
-        for step in (10, 20):
-            log.log_train(step, {"loss": 1.0, "ce": 1.0, "z": 0.0, "grad_norm": 1.0},
-                          {"muon": 1e-3, "adamw": 1e-3}, step * 4096, 0, train_seconds=step,
-                          tokens_read={})
-    out = capsys.readouterr()
-    assert "\r" not in out.out + out.err
-    assert out.out.count("step ") == 2
+def hand_made_log(out_dir: Path, losses: list, val_loss: float = 4.2, last_step: int = 300):
+    """A run of `len(losses)` train records ending at last_step, one eval at the end."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    steps = np.linspace(last_step / len(losses), last_step, len(losses)).astype(int)
+    lines = [start_record()] + [
+        {"kind": "train", "step": int(s), "loss": loss, "grad_norm": 1.0, "lr_muon": 1e-3,
+         "tokens_seen": int(s) * 100, "tokens_per_s": 1000.0, "mfu": None, "memory_gib": 1.0,
+         "elapsed_s": float(s)} for s, loss in zip(steps, losses)]
+    lines += [{"kind": "eval", "step": last_step, "tokens_seen": last_step * 100,
+               "val_loss": val_loss, "val_bpb": 1.8},
+              {"kind": "end", "step": last_step, "outcome": "finished", "error": None,
+               "elapsed_s": float(last_step)}]
+    (out_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
 
 
-@pytest.mark.parametrize("device, says", [("cpu", "the process's peak resident memory"),
-                                          ("cuda:0", "the measured peak of allocated tensors")])
-def test_banner_names_the_loss_unit_and_what_the_mem_column_measures(device, says):
-    hardware = report.Hardware(1, device, "NO", "no", False)
-    text = report.banner(config.tiny(), hardware, 4_000_000, 3_000_000, "optimizers",
-                         "schedule", {"causal": 1.0, "palm": 1.0}, [], "abc1234")
-    assert "loss: cross-entropy + z-loss in nats per target token" in text
-    [line] = [line for line in text.splitlines() if line.startswith("memory estimate per rank")]
-    assert says in line
+def run_report(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "report.py", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+# --- a real run -------------------------------------------------------------------------
+
+def test_a_run_draws_its_log_and_states_its_numbers(small_data_dir, tmp_path):
+    """8 steps, logged every step: both files exist when main returns; every plotted series
+    is the log's, point for point, against tokens seen; the warmup and decay boundaries sit
+    at their steps on every panel; the results table quotes the log."""
+    cfg = micro_config(small_data_dir, str(tmp_path), write_report=True)
+    train.main(cfg)
+    assert (tmp_path / "report.png").stat().st_size > 10_000
+    text = (tmp_path / "report.md").read_text()
+    trains, evals = records(tmp_path, "train"), records(tmp_path, "eval")
+
+    fig = report.draw([report.read_run(tmp_path)])
+    x = [r["tokens_seen"] for r in trains]
+    assert x == [r["step"] * cfg.global_batch_tokens for r in trains]
+    for gid, key in [("train loss raw", "loss"), ("grad_norm", "grad_norm"),
+                     ("lr_muon", "lr_muon"), ("lr_adamw", "lr_adamw"),
+                     ("tokens_per_s", "tokens_per_s")]:
+        [line] = series(fig, gid)
+        assert list(line.get_xdata()) == x and list(line.get_ydata()) == [r[key] for r in trains]
+    [val] = series(fig, "val loss")
+    assert list(val.get_xdata()) == [r["tokens_seen"] for r in evals] == [0, 2048, 4096]
+    assert list(val.get_ydata()) == [r["val_loss"] for r in evals]
+    for what, step in [("warmup end", cfg.warmup_steps), ("decay start", 6)]:
+        lines = series(fig, f"boundary:{what}:{step}")
+        assert len(lines) == 6 and all(  # one per panel
+            list(line.get_xdata()) == [step * cfg.global_batch_tokens] * 2 for line in lines)
+
+    facts = table(text)
+    assert facts["train loss, step 8"] == f"{trains[-1]['loss']:.4f}"
+    assert facts["val loss, step 8"] == f"{evals[-1]['val_loss']:.4f}"
+    assert facts["val bits per byte"] == f"{evals[-1]['val_bpb']:.4f}"
+    assert facts["tokens seen"] == f"{8 * cfg.global_batch_tokens:,}"
+    assert facts["checkpoints written"] == "2 (steps 4, 8)"
+    assert facts["skipped steps"] == "0"
+    warm = trains[1:]  # the first interval left out; every interval is one step here
+    seconds = [cfg.global_batch_tokens / r["tokens_per_s"] for r in warm]
+    mean = sum(s * r["tokens_per_s"] for s, r in zip(seconds, warm)) / sum(seconds)
+    assert facts["tokens/s"].startswith(f"{mean:,.0f}, mean")
+    assert f"```text\n{records(tmp_path, 'sample')[0]['text']}\n```" in text
+    [start] = records(tmp_path, "start")
+    assert start["preset"] == "stack100m"  # the nearest: micro_config differs from both
+    assert "## Config: the differences from the preset stack100m" in text
+    assert "| model.d_model | 512 | 64 |" in text and "| seed |" not in text
+
+
+def test_a_resumed_run_after_a_kill_covers_the_whole_run(small_data_dir, tmp_path):
+    """The first part stops at step 4. Then a kill -9 is simulated: a record of step 5 the
+    resumed run will redo, and a last line cut mid-write. The resumed run logs steps 5-8:
+    the report shows steps 1-8 once each, the resumed run's step 5, the resume marked at
+    step 4 with the knob it changed, and one warning for the cut line."""
+    first = micro_config(small_data_dir, str(tmp_path), stop_at_step=4, write_report=True)
+    train.main(first)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"kind": "train", "step": 5, "loss": 99.0, "tokens_seen": 2560})
+                + '\n{"kind": "train", "step": 6, "lo')
+    cut_line = len((tmp_path / "metrics.jsonl").read_text().splitlines())
+    train.main(dataclasses.replace(first, stop_at_step=8))
+
+    run = report.read_run(tmp_path)
+    logged = [r for r in records_lenient(tmp_path) if r.get("kind") == "train"]
+    assert [r["step"] for r in run.rows("train")] == list(range(1, 9))
+    assert run.records["train"][5] == logged[-4] and run.records["train"][5]["loss"] != 99.0
+    assert run.warnings == [f"{tmp_path / 'metrics.jsonl'}: line {cut_line} cannot be read "
+                            f"(cut short by a kill -9?); reported without it"]
+    fig = report.draw([run])
+    assert len(series(fig, "boundary:resume:4")) == 6
+    text = (tmp_path / "report.md").read_text()
+    assert "| 4 | " in text and "stop_at_step 4 → 8" in text
+    assert table(text)["train loss, step 8"] == f"{logged[-1]['loss']:.4f}"
+    assert "over 2 starts" in table(text)["wall time"]
+
+
+def records_lenient(out_dir) -> list[dict]:
+    out = []
+    for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def test_a_one_step_run_gets_a_report(small_data_dir, tmp_path):
+    cfg = micro_config(small_data_dir, str(tmp_path), stop_at_step=1, total_steps=8,
+                       write_report=True)
+    train.main(cfg)
+    text = (tmp_path / "report.md").read_text()
+    [trained] = records(tmp_path, "train")
+    assert table(text)["outcome"] == "finished at step 1 of 1"
+    assert table(text)["train loss, step 1"] == f"{trained['loss']:.4f}"
+    assert "no interval but the first" in table(text)["tokens/s"]
+    [line] = series(report.draw([report.read_run(tmp_path)]), "train loss raw")
+    assert list(line.get_ydata()) == [trained["loss"]]
+
+
+def test_a_diverged_run_reports_why_it_ended(small_data_dir, tmp_path):
+    wild = micro_config(small_data_dir, str(tmp_path), muon_peak_lr=1e6, adamw_peak_lr=1e6,
+                        grad_clip=0.0, max_bad_steps=2, warmup_steps=0, write_report=True)
+    with pytest.raises(train.TrainingDiverged):
+        train.main(wild)
+    [end] = records(tmp_path, "end")
+    assert end["outcome"] == "error" and end["error"].startswith("TrainingDiverged: 2 consecutive")
+    text = (tmp_path / "report.md").read_text()
+    assert f"error at step {end['step']}: TrainingDiverged: 2 consecutive" in text
+    skipped = [r["step"] for r in records(tmp_path, "skip")]
+    [marks] = series(report.draw([report.read_run(tmp_path)]), "skipped")
+    assert list(marks.get_xdata()) == [s * wild.global_batch_tokens for s in skipped]
+
+
+# --- the log's background writer --------------------------------------------------------
+
+def test_the_report_is_redrawn_at_checkpoints_and_last_at_the_end(small_data_dir, tmp_path,
+                                                                  monkeypatch):
+    """report.py replaced by a script that notes its arguments and the last record it can
+    read: it runs quietly at a checkpoint, then once more, loudly, after the end record."""
+    script, calls = tmp_path / "fake_report.py", tmp_path / "calls.txt"
+    script.write_text("import sys, pathlib\n"
+                      "last = (pathlib.Path(sys.argv[1]) / 'metrics.jsonl').read_text()"
+                      ".splitlines()[-1]\n"
+                      f"with open({str(calls)!r}, 'a') as f: f.write(' '.join(sys.argv[2:]) + "
+                      "' ' + last.split(',')[0] + '\\n')\n")
+    monkeypatch.setattr(log, "REPORT_SCRIPT", script)
+    train.main(micro_config(small_data_dir, str(tmp_path / "run"), write_report=True))
+    noted = calls.read_text().splitlines()
+    assert noted[0] == '--quiet {"kind": "checkpoint"'  # step 4's checkpoint
+    assert noted[-1] == ' {"kind": "end"'  # the final one, after the end record
+
+
+def test_a_stop_waits_for_the_report_only_so_long(tmp_path, monkeypatch, capsys):
+    """A report that hangs is stopped STOP_REPORT_WAIT_S after a stop, with one line on how
+    to write it later: a SIGTERM stop is never held past the launcher's patience."""
+    script = tmp_path / "slow_report.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.setattr(log, "REPORT_SCRIPT", script)
+    monkeypatch.setattr(log, "STOP_REPORT_WAIT_S", 0.5)
+    cfg = micro_config("unused", str(tmp_path), write_report=True)
+    t0 = time.perf_counter()
+    with log.MetricsLogger(cfg, True, torch.device("cpu"), 1, {"causal": 1.0, "palm": 1.0},
+                           start_step=0) as logger:
+        logger.write({"kind": "checkpoint", "step": 3, "seconds": 0.1})  # stopped at 3 of 8
+    assert time.perf_counter() - t0 < 5
+    assert logger.report.returncode is not None  # stopped, not left running
+    assert f"report: not written (stopped after 0.5 s); the run is unaffected: `python " \
+           f"report.py {tmp_path}` writes it from the folder" in capsys.readouterr().out
+
+
+def test_the_report_reads_the_log_without_torch():
+    out = subprocess.run([sys.executable, "-c", "import sys, report; print('torch' in "
+                          "sys.modules)"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+# --- bad and partial input, through the command -----------------------------------------
+
+def test_a_cut_last_line_is_left_out_with_one_warning(tmp_path):
+    hand_made_log(tmp_path, [5.0, 4.5, 4.0])
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 301, "loss": 3.')
+    out = run_report(tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == (f"warning: {tmp_path / 'metrics.jsonl'}: line 7 cannot be read (cut "
+                          f"short by a kill -9?); reported without it\n")
+    facts = table((tmp_path / "report.md").read_text())
+    assert facts["train loss, step 300"] == "4.0000"
+    assert out.stdout == f"report: {tmp_path / 'report.md'} and {tmp_path / 'report.png'}\n"
+
+
+def test_a_folder_without_metrics_is_one_line_and_a_failure(tmp_path):
+    out = run_report(tmp_path)
+    assert out.returncode == 2
+    assert out.stderr == (f"error: {tmp_path}: no metrics.jsonl, so nothing to report; give the "
+                          f"out_dir of a run (train.py writes metrics.jsonl there)\n")
+    assert not (tmp_path / "report.md").exists()
+
+
+def test_a_non_finite_value_is_a_gap_and_n_a(tmp_path):
+    """log.py writes a non-finite loss as null: the raw curve has a hole there (NaN), the
+    smoothed one skips it, and a last loss that is null reads n/a."""
+    hand_made_log(tmp_path, [5.0, None, 4.0, None])
+    run = report.read_run(tmp_path)
+    [raw] = series(report.draw([run]), "train loss raw")
+    assert np.isnan(raw.get_ydata()[[1, 3]]).all() and list(raw.get_ydata()[[0, 2]]) == [5, 4]
+    [smooth] = series(report.draw([run]), "train loss smoothed")
+    assert np.isfinite(smooth.get_ydata()[2]) and np.isnan(smooth.get_ydata()[3])
+    report.write([tmp_path])
+    assert table((tmp_path / "report.md").read_text())["train loss, step 300"] == "n/a"
+
+
+# --- runs compared ----------------------------------------------------------------------
+
+def test_a_stable_run_and_two_anneals_from_its_checkpoint(small_data_dir, tmp_path):
+    """The WSD case: the stable run stops where the decay begins (step 6); two anneals
+    start from that checkpoint in folders of their own (sqrt and linear decay). In the
+    overlay each run is labelled by its folder; each anneal carries the stable run's history
+    up to step 6, where it is marked as a branch, and its own steps after; the tables give
+    each run's finals and the knobs that differ."""
+    stable = micro_config(small_data_dir, str(tmp_path / "stable"), stop_at_step=6)
+    train.main(stable)
+    branch = str(tmp_path / "stable" / "ckpt" / "step_0000006")
+    for name, shape in (("sqrt", "sqrt"), ("linear", "linear")):
+        train.main(dataclasses.replace(stable, out_dir=str(tmp_path / name), stop_at_step=8,
+                                       resume=branch, decay_shape=shape))
+    folders = [tmp_path / name for name in ("stable", "sqrt", "linear")]
+    out, verdict, warnings = report.write(folders, tmp_path / "compare")
+    assert (out, verdict, warnings) == (tmp_path / "compare", None, [])
+
+    fig = report.draw([report.read_run(f) for f in folders])
+    labels = {t.get_text() for ax in fig.axes if ax.get_legend()
+              for t in ax.get_legend().get_texts()}
+    assert {"stable smoothed", "sqrt smoothed", "linear smoothed"} <= labels
+    norms = [line.get_ydata() for line in series(fig, "grad_norm")]
+    own = [[r["grad_norm"] for r in records(f, "train")] for f in folders]
+    assert list(norms[0]) == own[0]
+    for k in (1, 2):  # the stable run's steps 1-6, then the anneal's own 7-8
+        assert list(norms[k]) == own[0] + own[k]
+    lrs = [line.get_ydata()[-1] for line in series(fig, "lr_muon")]
+    assert lrs[1] != lrs[2]  # sqrt and linear decay differ after the branch
+    assert len(series(fig, "boundary:branched from stable:6")) == 12  # 2 anneals × 6 panels
+
+    text = (tmp_path / "compare" / "report.md").read_text()
+    assert "sqrt continues stable from its step 6" in text
+    for folder in folders:
+        last = records(folder, "eval")[-1]
+        assert re.search(rf"^\| {folder.name} \| finished \| {last['step']} \| .* \| "
+                         rf"{last['val_loss']:.4f} \| {last['val_bpb']:.4f} \|", text, re.M)
+    assert '| decay_shape | "sqrt" | "sqrt" | "linear" |' in text
+    assert "| stop_at_step | 6 | 8 | 8 |" in text
+
+
+def test_the_nearest_preset_and_the_differences_from_it():
+    assert config.nearest_preset(config.tiny()) == ("tiny", [])
+    cfg = config.apply_overrides(config.tiny(), {"out_dir": "x", "model.d_model": 128})
+    assert config.nearest_preset(cfg) == ("tiny", [("out_dir", "out/tiny", "x"),
+                                                   ("model.d_model", 256, 128)])
+    assert config.nearest_preset(config.stack100m())[0] == "stack100m"
+
+
+def test_comparing_needs_an_out_folder(tmp_path):
+    hand_made_log(tmp_path / "a", [4.0])
+    hand_made_log(tmp_path / "b", [4.0])
+    out = run_report(tmp_path / "a", tmp_path / "b")
+    assert out.returncode == 2 and out.stderr.startswith("error: comparing 2 runs needs --out")
+
+
+# --- the reference ----------------------------------------------------------------------
+
+def test_a_tiny_run_is_read_against_the_reference_seeds(tmp_path, monkeypatch):
+    """Three hand-made seeds end at 4.20, 4.22 and 4.25: 4.21 is within, 4.30 is 0.05 above;
+    a run that changed a knob that matters is not compared."""
+    for seed, final in zip((1, 2, 3), (4.20, 4.22, 4.25)):
+        hand_made_log(tmp_path / "reference" / f"seed-{seed}", [5.0, 4.5], val_loss=final)
+    monkeypatch.setattr(report, "REFERENCE", tmp_path / "reference")
+    hand_made_log(tmp_path / "ours", [5.0, 4.4], val_loss=4.21)
+    assert report.reference_verdict(report.read_run(tmp_path / "ours")) == (
+        "reference: final val loss 4.2100 is within the reference seeds' spread "
+        "(4.2000–4.2500, 3 seeds)")
+    out, verdict, _ = report.write([tmp_path / "ours"])
+    fig_text = (out / "report.md").read_text()
+    assert "Reference: final val loss 4.2100 is within" in fig_text
+
+    hand_made_log(tmp_path / "ours", [5.0, 4.4], val_loss=4.30)
+    assert report.reference_verdict(report.read_run(tmp_path / "ours")) == (
+        "reference: final val loss 4.3000 is outside the reference seeds' spread "
+        "(4.2000–4.2500, 3 seeds): 0.0500 above it")
+    changed = tmp_path / "ours" / "metrics.jsonl"
+    start = json.loads(changed.read_text().splitlines()[0])
+    start["preset_changes"].append(["muon_peak_lr", 0.006, 0.01])
+    changed.write_text("\n".join([json.dumps(start)] + changed.read_text().splitlines()[1:]))
+    assert report.reference_verdict(report.read_run(tmp_path / "ours")) is None

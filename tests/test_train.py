@@ -23,9 +23,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import checkpoint
 import data
+import log
 import model as model_lib
 import optim
-import report
 import train
 from conftest import micro_config
 from model import Transformer, flops_per_token
@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def train_records(cfg) -> list[dict]:
     lines = (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "loss" in r and not r.get("skipped")]
+    return [r for r in map(json.loads, lines) if r["kind"] == "train"]
 
 
 def checkpoint_weights(cfg, step: int) -> dict:
@@ -96,7 +96,7 @@ def launch(cfg, processes: int = 1) -> subprocess.CompletedProcess:
 # --- end to end -----------------------------------------------------------------------
 
 def test_tiny_run_learns_logs_and_reconciles(small_data_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(report, "peak_flops", lambda name: 2e12)  # pretend a 2 TFLOP/s chip
+    monkeypatch.setattr(log, "peak_flops", lambda name: 2e12)  # pretend a 2 TFLOP/s chip
     cfg = micro_config(small_data_dir, str(tmp_path), total_steps=40, stop_at_step=40,
                        warmup_steps=4, eval_every=20, ckpt_every=20)
     metrics = train.main(cfg)
@@ -256,11 +256,15 @@ TIMING_FIELDS = {"tokens_per_s", "tflops", "tflops_palm", "mfu", "mfu_palm", "el
 
 
 def logged_rows(cfg) -> list[dict]:
-    """metrics.jsonl without the timing fields. An evaluation row equal to the row before
-    it is dropped: a resumed run evaluates again the step its first part ended on."""
+    """metrics.jsonl's train, eval and skip records without the timing fields (start,
+    checkpoint and end records say how a run went, which differs). An evaluation row equal
+    to the row before it is dropped: a resumed run evaluates again the step its first part
+    ended on."""
     rows = []
     for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines():
         row = {k: v for k, v in json.loads(line).items() if k not in TIMING_FIELDS}
+        if row["kind"] not in ("train", "eval", "skip"):
+            continue
         if not ("val_loss" in row and rows and row == rows[-1]):
             rows.append(row)
     return rows
@@ -294,7 +298,7 @@ def test_resume_keeps_the_skipped_step_count(small_data_dir, tmp_path, monkeypat
         monkeypatch.undo()  # the next run counts its forwards from 0 again
     train.main(dataclasses.replace(halves, stop_at_step=8))
     rows, resumed = logged_rows(straight), logged_rows(halves)
-    assert [r["step"] for r in rows if r.get("skipped")] == [2]
+    assert [r["step"] for r in rows if r["kind"] == "skip"] == [2]
     assert [{**r, "skipped_steps": 0} for r in resumed] == \
         [{**r, "skipped_steps": 0} for r in rows]  # all else agrees
     assert [r.get("skipped_steps") for r in resumed] == [r.get("skipped_steps") for r in rows]
@@ -311,7 +315,7 @@ def test_sigterm_saves_exits_zero_and_resumes_exactly(small_data_dir, tmp_path):
     metrics = Path(cfg.out_dir) / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and (not metrics.exists() or
-                                      len(metrics.read_text().splitlines()) < 3):
+                                      metrics.read_text().count('"kind": "train"') < 3):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
@@ -360,7 +364,7 @@ def test_non_finite_loss_skips_the_update(small_data_dir, tmp_path, monkeypatch)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == \
         ["step_0000001", "step_0000002", "step_0000004"]
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines if r.get("skipped")] == [3]  # numbered as training rows
+    assert [r["step"] for r in lines if r["kind"] == "skip"] == [3]  # numbered as training rows
     assert train_records(cfg)[-1]["skipped_steps"] == 1
 
 
@@ -381,7 +385,7 @@ def test_isolated_non_finite_steps_do_not_stop_the_run(small_data_dir, tmp_path,
     inject_nan_loss(monkeypatch, bad_steps={1, 3, 5}, accum=cfg.grad_accum_steps(1))
     train.main(cfg)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines if r.get("skipped")] == [2, 4, 6]
+    assert [r["step"] for r in lines if r["kind"] == "skip"] == [2, 4, 6]
     last = train_records(cfg)[-1]
     assert last["step"] == 8 and last["skipped_steps"] == 3
     assert checkpoint.find(cfg.out_dir, "auto").name == "step_0000008"
@@ -470,7 +474,7 @@ def test_tflops_and_mfu_match_counted_flops_over_the_measured_step_time(
     logit recompute (2·V·C per token); the causal convention counts half the attention
     scores and 6 FLOPs per RMSNorm gain (no matmul). With those two corrections, stated in
     plain numbers below, every relation is exact but for float rounding: tolerance 1e-9."""
-    monkeypatch.setattr(report, "peak_flops", lambda name: 2e12)  # pretend a 2 TFLOP/s chip
+    monkeypatch.setattr(log, "peak_flops", lambda name: 2e12)  # pretend a 2 TFLOP/s chip
     cfg = micro_config(small_data_dir, str(tmp_path), stop_at_step=3)
     seconds = []
     train_step = train.train_step

@@ -1,0 +1,388 @@
+"""What a run tells its user as it trains: the start-up banner, the memory estimate, and
+one log line per log step (loss, gradient norm, learning rates, tokens/s, TFLOP/s, MFU,
+memory, ETA) to the terminal, metrics.jsonl and Weights & Biases; and, at every checkpoint
+and as the run ends, the run report, which report.py draws from metrics.jsonl in a process
+of its own.
+
+metrics.jsonl is the run's record: one JSON object per line, each with a `kind` and a
+`step`. `start` (what each start of the run was: config, preset, code, hardware, data plan,
+schedule, what a resume changed), `train` (a log line), `eval`, `skip` (an update skipped
+for a non-finite loss), `checkpoint`, `sample` (the end-of-run sample) and `end` (how this
+start ended: finished, stopped, or the error). A restart appends to it; a step logged twice
+(redone after a crash) counts once, its last record, when report.py reads it back.
+
+Every value the logger gets is already global (reduced across ranks by the loop); only the
+main process writes.
+
+Imports from stacklm: nothing. It takes a config object and plain numbers, and starts
+report.py as a command.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+# Dense bf16 tensor-core peak per GPU (vendor datasheets, no sparsity). MFU is reported
+# against these; unknown devices and CPUs show MFU as n/a rather than a made-up number.
+PEAK_FLOPS = {
+    "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "GH200": 989e12,
+    "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "RTX 4090": 165e12,
+}
+
+
+def code_revision(root=Path(__file__).resolve().parent) -> str:
+    """The git commit of the code that runs, `-dirty` appended if tracked files changed
+    since; "unknown" outside a git checkout of its own (a copied tree) or without git."""
+    def git(*args) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+    try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != Path(root).resolve():
+            return "unknown"  # a copy that sits inside some other repository
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return git("rev-parse", "HEAD") + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Peak FLOP/s of one device, matched by name (longest key first), or None."""
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if key in device_name:
+            return PEAK_FLOPS[key]
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Start-up: the banner and the memory estimate
+# ---------------------------------------------------------------------------------------
+
+# Bytes saved for backward per token per block, per unit of d_model, for Stack-shaped
+# blocks (intermediate = 2.75·d_model, 4 query heads per kv head), as counted by
+# torch.autograd.graph.saved_tensors_hooks on d_model=512 blocks (tests/test_log.py
+# recounts them). bf16 autocast keeps the norms' fp32 intermediates: not half of fp32.
+ACTIVATION_BYTES_PER_D = {True: 66, False: 91}  # bf16: yes/no
+
+
+def memory_estimate(cfg, n_params: int, n_muon: int, world: int, sharded: bool,
+                    bf16: bool) -> dict[str, float]:
+    """A start-up estimate of peak memory per rank, in GiB, to set beside the measured peak
+    in the log. fp32 master weights and gradients (4 bytes each), Muon's momentum (4) and
+    AdamW's two moments (8), divided by the rank count under FSDP2; the activations of the
+    blocks that are not recomputed (a recomputed block keeps only its input, and one block
+    at a time is recomputed); one chunk of fp32 logits and their gradient."""
+    m = cfg.model
+    shard = world if sharded else 1
+    tokens = cfg.micro_batch_size * cfg.seq_len
+    block = tokens * ACTIVATION_BYTES_PER_D[bf16] * m.d_model
+    every = cfg.recompute_every
+    recomputed = m.n_layers // every if every else 0
+    block_input = tokens * m.d_model * (2 if bf16 else 4)
+    activations = (m.n_layers - recomputed) * block + recomputed * block_input \
+        + (block if recomputed else 0)
+    gib = 2**30
+    budget = {"weights+grads": 8 * n_params / shard / gib,
+              "optimizer": (4 * n_muon + 8 * (n_params - n_muon)) / shard / gib,
+              "activations": activations / gib,
+              "loss_head": 2 * min(m.ce_chunk_size, tokens) * m.vocab_size * 4 / gib}
+    budget["total"] = sum(budget.values())
+    return budget
+
+
+@dataclasses.dataclass
+class Hardware:
+    """Where a run trains, as the banner prints it and metrics.jsonl records it."""
+    world: int  # ranks
+    device: str  # e.g. "cuda:0" or "cpu"
+    distributed: str  # accelerate's DistributedType value: NO, MULTI_GPU, FSDP, MULTI_CPU
+    precision: str  # "bf16" or "no"
+    compiled: bool
+    device_name: str = ""  # e.g. "NVIDIA H200", or the CPU's model and core count
+    torch: str = torch.__version__
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model (from /proc/cpuinfo where there is one) and the
+    cores this process may use."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        model = next(line.split(":", 1)[1].strip() for line in lines
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = "CPU"
+    return f"{model}, {os.cpu_count()} cores"
+
+
+# What the log's mem column measures, as the banner says beside its estimate.
+MEM_COLUMN = {"cuda": "the log's mem column is the measured peak of allocated tensors",
+              "cpu": "on a CPU the log's mem column is the process's peak resident memory, "
+                     "the Python runtime and libraries included: not comparable to this"}
+
+
+def banner(cfg, hardware: Hardware, n_params: int, n_muon: int, optimizers: str,
+           schedule: str, flops: dict[str, float], plan: list[dict], revision: str) -> str:
+    """Everything a practitioner checks before trusting a run, with units.
+
+    `optimizers` and `schedule` are the one-line summaries optim.py makes; `flops` holds
+    the FLOP/token of both conventions ("causal", "palm"); `plan` config.data_plan's rows."""
+    budget = memory_estimate(cfg, n_params, n_muon, hardware.world,
+                             hardware.distributed == "FSDP", hardware.precision == "bf16")
+    lines = [
+        f"model: {n_params / 1e6:.2f}M parameters ({optimizers})",
+        f"FLOP/token: {flops['causal']:.3e} causal, {flops['palm']:.3e} palm "
+        f"(seq {cfg.seq_len:,})",
+        f"batch: {cfg.batch_summary(hardware.world)}",
+        f"schedule: {schedule}; this run stops at step {cfg.stop_at_step:,} of "
+        f"{cfg.total_steps:,}",
+        *(f"data from step {row['start']:,}: {row['source']} × {row['weight']:.3g}, "
+          f"{row['available']:,} train tokens/epoch; this run reads {row['planned']:,} tokens "
+          f"= {row['planned'] / row['available']:.2f} epochs" for row in plan),
+        f"hardware: {hardware.world} × {hardware.device} ({hardware.distributed}), "
+        f"precision {hardware.precision} (the config's mixed_precision={cfg.mixed_precision}, "
+        f"which wins over a launch config's), compile {hardware.compiled}, activation "
+        f"recompute {cfg.activation_recompute}",
+        f"code: {revision}",
+        "memory estimate per rank: " + " + ".join(
+            f"{k} {v:.2f}" for k, v in budget.items() if k != "total")
+        + f" = {budget['total']:.2f} GiB ({MEM_COLUMN[hardware.device.split(':')[0]]})",
+        "loss: cross-entropy + z-loss in nats per target token; val_loss is the cross-entropy "
+        "alone; val_bpb is bits per byte of the target text",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
+# The log: terminal, metrics.jsonl, wandb
+# ---------------------------------------------------------------------------------------
+
+# report.py, which the logger runs as a command: in a process of its own, drawing never
+# holds up training, and a fault in it can never stop a run.
+REPORT_SCRIPT = Path(__file__).with_name("report.py")
+# A run that ends any other way than finishing (a SIGTERM or Ctrl-C stop, an error) waits
+# this long for its report, then leaves it to `python report.py`: the launcher's shutdown
+# timeout is 30 s, and the step in flight and the checkpoint come first.
+STOP_REPORT_WAIT_S = 10.0
+
+
+class MetricsLogger:
+    """One line per log step to the terminal, metrics.jsonl and wandb, from the main process
+    only. A tqdm progress bar sits under the lines when stderr is a terminal; redirected to
+    a file or a scheduler's log, there is no bar and every line is a plain line.
+
+    At each checkpoint it starts report.py in the background (one at a time: while one
+    draws, a checkpoint starts none), and on leaving the `with` block it records how this
+    start ended and runs report.py once more, waiting for it, so that report.md and
+    report.png are complete when the command exits."""
+
+    def __init__(self, cfg, is_main: bool, device: torch.device, world: int,
+                 flops: dict[str, float], start_step: int):
+        self.cfg, self.main, self.device, self.world = cfg, is_main, device, world
+        self.flops = flops
+        cuda = device.type == "cuda"
+        self.peak = peak_flops(torch.cuda.get_device_name(device) if cuda else "cpu")
+        self.start = time.perf_counter()
+        self.last_step, self.last_seconds = start_step, 0.0
+        self.step = start_step  # the newest step recorded
+        self.report = None  # report.py's process, while one runs
+        self.bar = tqdm(total=cfg.stop_at_step, initial=start_step, dynamic_ncols=True,
+                        desc="train", disable=not (is_main and sys.stderr.isatty()))
+        self.jsonl = self.wandb = None
+        if self.main:
+            path = Path(cfg.out_dir) / "metrics.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            cut = last_byte(path) not in (b"", b"\n")
+            self.jsonl = open(path, "a")
+            # A line a kill -9 cut short gets its newline, so it stays one bad line that
+            # report.py skips, never glued to the first record of this start.
+            if cut:
+                self.jsonl.write("\n")
+            if cfg.wandb_mode != "disabled":
+                import wandb
+                self.wandb = wandb.init(project=cfg.wandb_project, mode=cfg.wandb_mode,
+                                        dir=cfg.out_dir, config=dataclasses.asdict(cfg))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, traceback):
+        self.bar.close()
+        if not self.main:
+            return
+        finished = exc is None and self.step >= self.cfg.stop_at_step
+        outcome = "finished" if finished else "stopped" if exc is None else "error"
+        self.write({"kind": "end", "step": self.step, "outcome": outcome,
+                    "error": None if exc is None else f"{exc_type.__name__}: {exc}",
+                    "elapsed_s": time.perf_counter() - self.start})
+        self.jsonl.close()
+        self.write_report(final=True)
+        self.wait_for_report(None if finished else STOP_REPORT_WAIT_S)
+        if self.wandb is not None:
+            self.wandb.finish()
+
+    def print(self, line: str):
+        if self.main:  # tqdm.write prints above the bar, and plainly when there is none
+            self.bar.write(line)
+
+    def write(self, record: dict):
+        """One JSON object per line. NaN and inf (a skipped step's loss) are not JSON: they
+        are written as null, so every line parses with any JSON reader."""
+        record = {k: v if not isinstance(v, float) or math.isfinite(v) else None
+                  for k, v in record.items()}
+        self.step = max(self.step, record["step"])
+        if self.main:
+            self.jsonl.write(json.dumps(record, allow_nan=False) + "\n")
+            self.jsonl.flush()
+            if self.wandb is not None and record["kind"] in ("train", "eval"):
+                self.wandb.log(record, step=record["step"])
+
+    def write_report(self, final: bool):
+        """Start report.py on out_dir. A checkpoint's report runs quietly in the background
+        and is skipped while the previous one still draws; the final one replaces any that
+        is still drawing, and prints where the report is (and, for the `tiny` preset, how
+        the run compares with the reference seeds)."""
+        if not (self.main and self.cfg.write_report):
+            return
+        if self.report is not None and self.report.poll() is None:
+            if not final:
+                return
+            self.report.kill()
+            self.report.wait()
+        command = [sys.executable, str(REPORT_SCRIPT), self.cfg.out_dir,
+                   *([] if final else ["--quiet"])]
+        # A session of its own: a Ctrl-C at the terminal reaches the run, not the drawing.
+        self.report = subprocess.Popen(command, start_new_session=True)
+
+    def wait_for_report(self, timeout: float | None):
+        """Wait for report.py; past `timeout` seconds, stop it and say how to make the
+        report later."""
+        if self.report is None:
+            return
+        try:
+            code = self.report.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.report.kill()
+            self.report.wait()
+            code = f"stopped after {timeout:g} s"
+        if code != 0:
+            self.print(f"report: not written ({code}); the run is unaffected: `python "
+                       f"report.py {self.cfg.out_dir}` writes it from the folder")
+
+    def log_start(self, record: dict):
+        """What this start of the run is (train.start_record), before its first line."""
+        self.write({"kind": "start", **record})
+
+    def log_checkpoint(self, step: int, seconds: float):
+        """A checkpoint was written at `step`: record it, and redraw the report."""
+        self.write({"kind": "checkpoint", "step": step, "seconds": seconds})
+        self.write_report(final=False)
+
+    def log_sample(self, step: int, prompt: str, text: str):
+        self.print(f"sample ({prompt!r} →):\n{text}")
+        self.write({"kind": "sample", "step": step, "prompt": prompt, "text": text})
+
+    def log_train(self, step: int, result: dict, lrs: dict[str, float], tokens_seen: int,
+                  skipped_steps: int, train_seconds: float, tokens_read: dict) -> dict:
+        """Throughput over the steps since the last line, on training time only (evaluation
+        and checkpoints excluded). TFLOP/s and MFU follow from tokens/s by construction:
+        tflops = flops_per_token × tokens/s and mfu = tflops / (peak × ranks)."""
+        steps = step - self.last_step
+        seconds = max(train_seconds - self.last_seconds, 1e-9)
+        tokens_per_s = steps * self.cfg.global_batch_tokens / seconds
+        tflops = self.flops["causal"] * tokens_per_s / 1e12
+        tflops_palm = self.flops["palm"] * tokens_per_s / 1e12
+        peak_tflops = self.peak * self.world / 1e12 if self.peak else None
+        record = {
+            "kind": "train", "step": step,
+            "loss": result["loss"], "ce": result["ce"], "z": result["z"],
+            "grad_norm": result["grad_norm"], **{f"lr_{k}": v for k, v in lrs.items()},
+            "tokens_seen": tokens_seen,  # and below, the tokens read from each source so far
+            **{f"tokens/{source}": tokens for source, tokens in tokens_read.items()},
+            "tokens_per_s": tokens_per_s, "tflops": tflops, "tflops_palm": tflops_palm,
+            "mfu": tflops / peak_tflops if peak_tflops else None,
+            "mfu_palm": tflops_palm / peak_tflops if peak_tflops else None,
+            "memory_gib": memory_gib(self.device), "skipped_steps": skipped_steps,
+            "elapsed_s": time.perf_counter() - self.start,
+            "eta_s": (self.cfg.stop_at_step - step) * seconds / steps,
+        }
+        self.last_step, self.last_seconds = step, train_seconds
+        self.print(train_line(record, lrs, peak_tflops is not None))
+        self.bar.update(steps)
+        self.write(record)
+        return record
+
+    def log_eval(self, step: int, tokens_seen: int, metrics: dict):
+        """The mixture's val loss and bits per byte, then each source's when there are
+        several (`val_loss/<source>`). The mixture's value weights the sources by the first
+        stage's shares for the whole run, so it stays comparable across a stage switch."""
+        sources = [k.split("/", 1)[1] for k in metrics if k.startswith("val_loss/")]
+        line = (f"eval {step:>6,} | val_loss {metrics['val_loss']:.4f} | "
+                f"val_bpb {metrics['val_bpb']:.4f}")
+        if len(sources) > 1:
+            line += " (mixture at the first stage's shares) | " + " | ".join(
+                f"{name} {metrics[f'val_loss/{name}']:.4f}" for name in sources)
+        self.print(line)
+        values = {k: v for k, v in metrics.items() if k.split("/")[0] in ("val_loss", "val_bpb")}
+        self.write({"kind": "eval", "step": step, "tokens_seen": tokens_seen, **values})
+
+    def log_epochs(self, epochs: dict[str, list[int]]):
+        """One line per source for the epochs of its train split begun since the last log
+        line: a small corpus can pass several in one interval (`data: train epochs 3–9 of
+        data/x began`)."""
+        for source, begun in epochs.items():
+            if begun:
+                which = f"s {begun[0]}–{begun[-1]}" if len(begun) > 1 else f" {begun[0]}"
+                self.print(f"data: train epoch{which} of {source} began")
+
+    def log_skipped(self, step: int, loss: float, grad_norm: float, skipped_steps: int):
+        """A step whose update was skipped; `step` is numbered as the training rows are."""
+        self.print(f"step {step:>6,} | non-finite loss {loss} or grad norm {grad_norm}: "
+                   f"update skipped ({skipped_steps} skipped so far)")
+        self.write({"kind": "skip", "step": step, "loss": loss, "grad_norm": grad_norm})
+
+
+def last_byte(path: Path) -> bytes:
+    """The file's last byte; b"" for an empty or missing file."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(f.tell() - 1, 0))
+            return f.read(1)
+    except FileNotFoundError:
+        return b""
+
+
+def train_line(record: dict, lrs: dict[str, float], has_peak: bool) -> str:
+    """E.g. `step 100 | loss 4.0663 (ce 4.0574 z 8.93e-03) | gnorm 0.909 | lr muon 6.00e-03
+    adamw 3.00e-03 | 5,649 tok/s | 0.14 TFLOP/s | MFU n/a | mem 1.47 GiB | …` (the tiny run's
+    step 100, README's "What a run looks like")."""
+    mfu = f"{record['mfu']:.1%} ({record['mfu_palm']:.1%} palm)" if has_peak else "n/a"
+    rates = " ".join(f"{name} {lr:.2e}" for name, lr in lrs.items())
+    return (f"step {record['step']:>6,} | loss {record['loss']:.4f} (ce {record['ce']:.4f} "
+            f"z {record['z']:.2e}) | gnorm {record['grad_norm']:.3f} | lr {rates} | "
+            f"{record['tokens_per_s']:,.0f} tok/s | {record['tflops']:.2f} TFLOP/s | MFU {mfu} | "
+            f"mem {record['memory_gib']:.2f} GiB | {fmt_time(record['elapsed_s'])} elapsed, "
+            f"ETA {fmt_time(record['eta_s'])}")
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak CUDA memory allocated, or the process's peak resident memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def fmt_time(seconds: float) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    hours, m = divmod(minutes, 60)
+    return f"{hours}h{m:02d}m" if hours else f"{m}m{s:02d}s"

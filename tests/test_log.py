@@ -1,0 +1,106 @@
+"""log.py: the peak-FLOP table, the memory estimate's activation constant, the log line."""
+
+import dataclasses
+import io
+import json
+
+import pytest
+import torch
+
+import config
+import log
+from model import Transformer
+
+
+def test_peak_flops_table():
+    assert log.peak_flops("NVIDIA H200") == 989e12
+    assert log.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert log.peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert log.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert log.peak_flops("cpu") is None
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_activation_constant_of_the_memory_estimate(bf16):
+    """Recount the bytes autograd saves per token per Stack-100M-shaped block (the slope
+    between two batch sizes, so weights and their bf16 copies cancel out)."""
+    cfg = dataclasses.replace(config.StackConfig(), n_layers=2, vocab_size=512)
+    model = Transformer(cfg)
+
+    def saved_bytes(batch_size: int) -> int:
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        ids = torch.randint(0, 512, (batch_size, 128))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            model(ids, targets=ids, seq_ids=torch.zeros_like(ids))
+        return sum(storages.values())
+    per_token_block = (saved_bytes(4) - saved_bytes(2)) / (2 * 128) / cfg.n_layers
+    expected = log.ACTIVATION_BYTES_PER_D[bf16] * cfg.d_model
+    assert per_token_block == pytest.approx(expected, rel=0.15)
+
+
+def test_memory_estimate_counts_optimizer_state_and_recomputed_blocks():
+    """Plain arithmetic for the weights and optimizer terms: 8 bytes per parameter for fp32
+    weights + grads, 4 per Muon parameter, 8 per AdamW parameter, divided by the ranks
+    under FSDP; recomputing every block leaves one block's activations plus the inputs."""
+    cfg = config.stack100m()
+    n, n_muon, gib = 100_000_000, 80_000_000, 2**30
+    plain = log.memory_estimate(cfg, n, n_muon, world=1, sharded=False, bf16=True)
+    assert plain["weights+grads"] == pytest.approx(8 * n / gib)
+    assert plain["optimizer"] == pytest.approx((4 * n_muon + 8 * 20_000_000) / gib)
+    sharded = log.memory_estimate(cfg, n, n_muon, world=4, sharded=True, bf16=True)
+    assert sharded["optimizer"] == pytest.approx(plain["optimizer"] / 4)
+    full = log.memory_estimate(config.apply_overrides(cfg, {"activation_recompute": "full"}),
+                                  n, n_muon, world=1, sharded=False, bf16=True)
+    tokens, d = cfg.micro_batch_size * cfg.seq_len, cfg.model.d_model
+    block, block_input = tokens * 66 * d, tokens * d * 2
+    assert full["activations"] == pytest.approx((30 * block_input + block) / gib)
+    assert plain["activations"] == pytest.approx(30 * block / gib)
+
+
+def test_log_line_labels_each_learning_rate(tmp_path, monkeypatch):
+    """The rates are labelled by optimizer, in the order given, and the metrics record
+    carries the same numbers under lr_<name>."""
+    cfg = config.apply_overrides(config.tiny(), {"out_dir": str(tmp_path), "write_report": False})
+    flops = {"causal": 1e9, "palm": 2e9}
+    printed = io.StringIO()
+    monkeypatch.setattr("sys.stdout", printed)
+    with log.MetricsLogger(cfg, True, torch.device("cpu"), 1, flops, start_step=0) as logger:
+        result = {"loss": 4.0, "ce": 3.99, "z": 0.01, "grad_norm": 0.5}
+        logger.log_train(10, result, {"muon": 6e-3, "adamw": 3e-3}, 40960, 0,
+                         train_seconds=2.0, tokens_read={})
+    assert "| lr muon 6.00e-03 adamw 3.00e-03 |" in printed.getvalue()
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert (record["lr_muon"], record["lr_adamw"]) == (6e-3, 3e-3)
+    # Independent arithmetic: 10 steps of 4,096 tokens in 2 s, 1e9 FLOP per token.
+    assert record["tokens_per_s"] == pytest.approx(20480)
+    assert record["tflops"] == pytest.approx(20480 * 1e9 / 1e12)
+
+
+def test_no_progress_bar_when_not_a_terminal(tmp_path, capsys):
+    """Redirected output gets plain lines only: no carriage returns from a tqdm bar."""
+    cfg = config.apply_overrides(config.tiny(), {"out_dir": str(tmp_path), "write_report": False})
+    with log.MetricsLogger(cfg, True, torch.device("cpu"), 1, {"causal": 1.0, "palm": 1.0},
+                           start_step=0) as logger:
+        for step in (10, 20):
+            logger.log_train(step, {"loss": 1.0, "ce": 1.0, "z": 0.0, "grad_norm": 1.0},
+                             {"muon": 1e-3, "adamw": 1e-3}, step * 4096, 0,
+                             train_seconds=step, tokens_read={})
+    out = capsys.readouterr()
+    assert "\r" not in out.out + out.err
+    assert out.out.count("step ") == 2
+
+
+@pytest.mark.parametrize("device, says", [("cpu", "the process's peak resident memory"),
+                                          ("cuda:0", "the measured peak of allocated tensors")])
+def test_banner_names_the_loss_unit_and_what_the_mem_column_measures(device, says):
+    hardware = log.Hardware(1, device, "NO", "no", False)
+    text = log.banner(config.tiny(), hardware, 4_000_000, 3_000_000, "optimizers",
+                      "schedule", {"causal": 1.0, "palm": 1.0}, [], "abc1234")
+    assert "loss: cross-entropy + z-loss in nats per target token" in text
+    [line] = [line for line in text.splitlines() if line.startswith("memory estimate per rank")]
+    assert says in line
