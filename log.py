@@ -225,8 +225,8 @@ class MetricsLogger:
                     "error": None if exc is None else f"{exc_type.__name__}: {exc}",
                     "elapsed_s": time.perf_counter() - self.start})
         self.jsonl.close()
-        self.write_report(final=True)
-        self.wait_for_report(None if finished else STOP_REPORT_WAIT_S)
+        if self.cfg.write_report:
+            self.final_report(None if finished else time.monotonic() + STOP_REPORT_WAIT_S)
         if self.wandb is not None:
             self.wandb.finish()
 
@@ -243,40 +243,48 @@ class MetricsLogger:
         if self.main:
             self.jsonl.write(json.dumps(record, allow_nan=False) + "\n")
             self.jsonl.flush()
-            if self.wandb is not None and record["kind"] in ("train", "eval"):
-                self.wandb.log(record, step=record["step"])
+            if self.wandb is not None and record["kind"] in ("train", "eval", "skip"):
+                self.wandb.log({k: v for k, v in record.items() if k != "kind"},
+                               step=record["step"])
 
     def write_report(self, final: bool):
-        """Start report.py on out_dir. A checkpoint's report runs quietly in the background
-        and is skipped while the previous one still draws; the final one replaces any that
-        is still drawing, and prints where the report is (and, for the `tiny` preset, how
+        """Start report.py on out_dir, unless one still draws. A checkpoint's report runs
+        quietly; the final one prints where the report is (and, for the `tiny` preset, how
         the run compares with the reference seeds)."""
-        if not (self.main and self.cfg.write_report):
+        if not (self.main and self.cfg.write_report) or self.drawing():
             return
-        if self.report is not None and self.report.poll() is None:
-            if not final:
-                return
-            self.report.kill()
-            self.report.wait()
         command = [sys.executable, str(REPORT_SCRIPT), self.cfg.out_dir,
                    *([] if final else ["--quiet"])]
         # A session of its own: a Ctrl-C at the terminal reaches the run, not the drawing.
         self.report = subprocess.Popen(command, start_new_session=True)
 
-    def wait_for_report(self, timeout: float | None):
-        """Wait for report.py; past `timeout` seconds, stop it and say how to make the
-        report later."""
+    def drawing(self) -> bool:
+        return self.report is not None and self.report.poll() is None
+
+    def final_report(self, deadline: float | None):
+        """The report of the whole run, after the end record: let a checkpoint's report that
+        still draws finish, then draw once more, and wait."""
+        if self.wait_for_report(deadline):
+            self.write_report(final=True)
+            self.wait_for_report(deadline)
+
+    def wait_for_report(self, deadline: float | None) -> bool:
+        """Wait for report.py until `deadline` (time.monotonic(); None: no limit). Past it,
+        the run goes on to exit, the drawing finishes on its own, and this returns False."""
         if self.report is None:
-            return
+            return True
         try:
-            code = self.report.wait(timeout)
+            code = self.report.wait(None if deadline is None
+                                    else max(deadline - time.monotonic(), 0))
         except subprocess.TimeoutExpired:
-            self.report.kill()
-            self.report.wait()
-            code = f"stopped after {timeout:g} s"
-        if code != 0:
-            self.print(f"report: not written ({code}); the run is unaffected: `python "
-                       f"report.py {self.cfg.out_dir}` writes it from the folder")
+            self.print(f"report: still drawing {STOP_REPORT_WAIT_S:g} s after the stop; it "
+                       f"finishes in the background (`python report.py {self.cfg.out_dir}` "
+                       f"draws it again)")
+            return False
+        if code:  # report.py printed its error above
+            self.print(f"report: not written (report.py exited {code}); the run is "
+                       f"unaffected: `python report.py {self.cfg.out_dir}` draws it")
+        return True
 
     def log_start(self, record: dict):
         """What this start of the run is (train.start_record), before its first line."""

@@ -237,7 +237,7 @@ def reference_verdict(run: RunLog) -> str | None:
         return None
     finals = [results(seed)["val_loss"] for seed in seeds]
     low, high, ours = min(finals), max(finals), done["val_loss"]
-    spread = f"{low:.4f}–{high:.4f}, {len(seeds)} seeds"
+    spread = f"{low:.4f}–{high:.4f}, {len(seeds)} seed{'s' if len(seeds) > 1 else ''}"
     if ours is None:
         return f"reference: the final val loss is not finite (the reference seeds: {spread})"
     if low <= ours <= high:
@@ -262,8 +262,7 @@ SMOOTHING_POINTS = 40  # the smoothed train loss averages over ~1/40 of the logg
 
 
 def draw(runs: list[RunLog], reference: list[RunLog] = ()) -> Figure:
-    """The panels against tokens seen, one colour per run; for one run, its raw train loss
-    and each source's val loss as well, and the reference seeds in grey."""
+    """The panels against tokens seen, one colour per run, and the reference seeds in grey."""
     fig = Figure(figsize=(13, 10.5))  # margins set by hand: a layout engine costs seconds
     fig.subplots_adjust(left=0.06, right=0.985, bottom=0.06, top=0.93, hspace=0.22, wspace=0.16)
     axes = dict(zip(PANELS, fig.subplots(3, 2, sharex=True).flat))
@@ -272,42 +271,42 @@ def draw(runs: list[RunLog], reference: list[RunLog] = ()) -> Figure:
               label=f"reference {seed.name}", gid="reference")
         curve(axes["val loss"], seed, "eval", "val_loss", color="0.75", lw=0.8, marker=".",
               label=f"reference {seed.name}", gid="reference")
-    single = len(runs) == 1
     for k, run in enumerate(runs):
-        color = f"C{k}"
-        name = "" if single else f"{run.name} "
-        if single:
-            curve(axes["train loss"], run, "train", "loss", color=color, alpha=0.35, lw=0.8,
-                  label="raw", gid="train loss raw")
-        curve(axes["train loss"], run, "train", "loss", color=color, smooth=True,
-              label=f"{name}smoothed", gid="train loss smoothed")
-        curve(axes["val loss"], run, "eval", "val_loss", color=color, marker="o", ms=3,
-              label=f"{name}mixture" if len(sources(run)) > 1 else name or "val loss",
-              gid="val loss")
-        if single and len(sources(run)) > 1:
-            for j, source in enumerate(sources(run)):
-                curve(axes["val loss"], run, "eval", f"val_loss/{source}", color=f"C{j + 1}",
-                      ls="--", lw=1, label=source, gid=f"val loss/{source}")
-        for j, key in enumerate(learning_rates(run)):
-            curve(axes["learning rate"], run, "train", key, color=f"C{j}" if single else color,
-                  ls=("-", "--", ":")[j % 3], label=f"{name}{key[3:]}", gid=key)
-        curve(axes["gradient norm"], run, "train", "grad_norm", color=color, lw=1,
-              label=name or None, gid="grad_norm")
-        skipped = [r["step"] for r in run.rows("skip")]
-        if skipped:  # at the top edge: a skipped step's norm is not a number
-            axes["gradient norm"].plot(tokens_at(run, skipped), [0.97] * len(skipped), "x",
-                                       color="red", transform=axes["gradient norm"]
-                                       .get_xaxis_transform(), label=f"{name}skipped step",
-                                       gid="skipped")
-        curve(axes["tokens/s"], run, "train", "tokens_per_s", color=color, lw=1,
-              label=name or None, gid="tokens_per_s")
-        curve(axes["MFU"], run, "train", "mfu", color=color, lw=1, scale=100,
-              label=name or None, gid="mfu")
-        marks = boundaries(run)
-        for ax in axes.values():
-            mark_boundaries(ax, marks, None if single else color, label=ax is axes["train loss"])
+        draw_run(axes, run, f"C{k}", run.name if len(runs) > 1 else "")
     finish(fig, axes, runs)
     return fig
+
+
+def draw_run(axes: dict, run: RunLog, color: str, name: str):
+    """One run's curves and boundaries, labelled `name` where runs are compared. A run drawn
+    alone (name "") also gets its raw train loss and each source's val loss."""
+    alone, prefix = not name, f"{name} " if name else ""
+    if alone:
+        curve(axes["train loss"], run, "train", "loss", color=color, alpha=0.35, lw=0.8,
+              label="raw", gid="train loss raw")
+    curve(axes["train loss"], run, "train", "loss", color=color, smooth=True,
+          label=f"{prefix}smoothed", gid="train loss smoothed")
+    several = len(sources(run)) > 1
+    curve(axes["val loss"], run, "eval", "val_loss", color=color, marker="o", ms=3,
+          label=f"{prefix}mixture" if several else name or "val loss", gid="val loss")
+    for j, source in enumerate(sources(run) if alone and several else []):
+        curve(axes["val loss"], run, "eval", f"val_loss/{source}", color=f"C{j + 1}", ls="--",
+              lw=1, label=source, gid=f"val loss/{source}")
+    for j, key in enumerate(learning_rates(run)):
+        curve(axes["learning rate"], run, "train", key, color=f"C{j}" if alone else color,
+              ls=("-", "--", ":")[j % 3], label=f"{prefix}{key[3:]}", gid=key)
+    for panel, key, scale in (("gradient norm", "grad_norm", 1),
+                              ("tokens/s", "tokens_per_s", 1), ("MFU", "mfu", 100)):
+        curve(axes[panel], run, "train", key, color=color, lw=1, scale=scale,
+              label=name or None, gid=key)
+    skipped = [r["step"] for r in run.rows("skip")]
+    if skipped:  # at the top edge: a skipped step's norm is not a number
+        ax = axes["gradient norm"]
+        ax.plot(tokens_at(run, skipped), [0.97] * len(skipped), "x", color="red",
+                transform=ax.get_xaxis_transform(), label=f"{prefix}skipped step", gid="skipped")
+    marks = boundaries(run)
+    for ax in axes.values():
+        mark_boundaries(ax, marks, None if alone else color, label=ax is axes["train loss"])
 
 
 def curve(ax, run: RunLog, kind: str, key: str, smooth: bool = False, scale: float = 1,
@@ -605,7 +604,8 @@ def cli(argv=None):
     parser.add_argument("folders", nargs="+", metavar="OUT_DIR", help="a run's out_dir")
     parser.add_argument("--out", metavar="DIR", help="where to write; required to compare "
                         "several runs (default for one run: its own folder)")
-    parser.add_argument("--quiet", action="store_true", help="print warnings only")
+    parser.add_argument("--quiet", action="store_true",
+                        help="print nothing but errors (report.md lists the warnings)")
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error, not just its message")
     args = parser.parse_args(argv)
@@ -614,12 +614,13 @@ def cli(argv=None):
             raise ValueError(f"comparing {len(args.folders)} runs needs --out DIR, a folder "
                              f"for the comparison's report.md and report.png")
         out, verdict, warnings = write(args.folders, args.out)
+        if args.quiet:
+            return
         for warning in warnings:
             print(f"warning: {warning}", file=sys.stderr)
-        if not args.quiet:
-            print(f"report: {out / 'report.md'} and {out / 'report.png'}")
-            if verdict:
-                print(verdict)
+        print(f"report: {out / 'report.md'} and {out / 'report.png'}")
+        if verdict:
+            print(verdict)
 
 
 if __name__ == "__main__":

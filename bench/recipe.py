@@ -1,6 +1,5 @@
 """The recipe, measured: Muon + WSD against AdamW + WSD at the `tiny` preset's budget, over seeds.
 
-    pip install -r bench/requirements.txt      # matplotlib, for the plot only
     python bench/recipe.py                     # 31 runs, 2 h on 2 CPU cores
     python bench/recipe.py --steps 8 --tokens_per_step 1024 --eval_every 4 --log_every 2 \
         --eval_tokens 1024 --seeds 1 2 --runs_dir /tmp/recipe_smoke \
@@ -35,7 +34,7 @@ The measurement, in three stages:
    gap grows or shrinks with the budget.
 
 Outputs (bench/results/): recipe.json (the JSON line), recipe.csv (every eval point of every
-run), recipe.png (needs matplotlib; skipped with a message otherwise), recipe.md (a summary
+run), recipe.png, recipe.md (a summary
 for README.md). Run directories go to bench/results/recipe_runs.tmp (git-ignored); a
 finished run is reused when the sweep is started again with the same settings, so an
 interrupted sweep resumes where it stopped.
@@ -364,19 +363,14 @@ def write_csv(measured: dict, path: Path):
 COLORS = {"muon_wsd": "tab:red", "adamw_wsd": "tab:blue", "adamw_cosine": "tab:green"}
 
 
-def write_plot(measured: dict, summary: dict, path: Path) -> bool:
+def write_plot(measured: dict, summary: dict, path: Path):
     """Left: validation loss against tokens at each arm's best LR, mean and ±1 sd over the
     seeds. Middle: the LR sweep. Right: final losses against budget, per seed, where the
     token ratio is read."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")  # no display on a training box
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
-        print("recipe: matplotlib is not installed; skipping the plot "
-              "(pip install -r bench/requirements.txt)")
-        return False
+    import matplotlib
+    matplotlib.use("Agg")  # no display on a training box
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
     fig, (ax_seeds, ax_sweep, ax_budget) = plt.subplots(1, 3, figsize=(18, 4.8))
     for arm, runs in measured["seeds"].items():
         a = summary["arms"][arm]
@@ -403,7 +397,6 @@ def write_plot(measured: dict, summary: dict, path: Path) -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return True
 
 
 def plot_seed_band(ax, runs: list[dict], color: str, label: str):
@@ -443,7 +436,7 @@ def plot_budgets(ax, ratios: dict, summary_ratios: dict):
            title="separately scheduled runs: tokens to equal loss")
 
 
-def write_markdown(summary: dict, command: str, path: Path, plotted: bool):
+def write_markdown(summary: dict, command: str, path: Path):
     """A few lines and a table, ready to paste into README.md."""
     seeds = summary["seeds"]
     rows = [table_row(arm, a) for arm, a in summary["arms"].items()]
@@ -473,9 +466,8 @@ def write_markdown(summary: dict, command: str, path: Path, plotted: bool):
                      f"{summary['adamw_step_s']:.3f} s ({summary['muon_step_overhead']:+.1%}).")
     if edges:
         lines.append(f"- The best LR sits at the edge of its grid for: {', '.join(edges)}.")
-    if plotted:
-        lines += ["", ("![validation loss over seeds, LR sweep, and tokens to equal loss]"
-                       "(bench/results/recipe.png)")]
+    lines += ["", ("![validation loss over seeds, LR sweep, and tokens to equal loss]"
+                   "(bench/results/recipe.png)")]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -510,9 +502,9 @@ def main():
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_csv(measured, out.with_suffix(".csv"))
-    plotted = write_plot(measured, summary, out.with_suffix(".png"))
+    write_plot(measured, summary, out.with_suffix(".png"))
     command = "python bench/recipe.py " + " ".join(sys.argv[1:])
-    write_markdown(summary, command.strip(), out.with_suffix(".md"), plotted)
+    write_markdown(summary, command.strip(), out.with_suffix(".md"))
     line = json.dumps(summary)
     out.with_suffix(".json").write_text(line + "\n")
     print(line)

@@ -27,6 +27,8 @@ CPU_STAND_IN = ["--model.n_layers=1", "--model.d_model=64", "--model.n_heads=2",
                 "--total_steps=4", "--warmup_steps=1", "--decay_fraction=0.25",
                 "--stop_at_step=2", "--eval_tokens=128", "--sample_tokens=4"]
 GPU = "needs CUDA GPUs"
+# The anneals branch from the stable run's checkpoint, which FEW_STEPS puts at step 2.
+ANNEAL_FROM_STEP_2 = FEW_STEPS + ["--stop_at_step=4", "--resume=out/tiny-stable/ckpt/step_0000002"]
 
 # README command -> ("run", extra flags) or ("skip", why). Order matters: later commands
 # use what earlier ones made (the tiny run's checkpoint, the prepared corpus).
@@ -36,6 +38,14 @@ HOW = {
     "python train.py --preset tiny": ("run", FEW_STEPS),
     "pip install -r requirements-dev.txt": ("skip", "CI runs exactly this before the tests"),
     "python -m pytest -q": ("skip", "this is the test command itself"),
+    "python train.py --preset tiny --stop_at_step=240 --out_dir=out/tiny-stable": (
+        "run", FEW_STEPS),
+    "python train.py --preset tiny --resume=out/tiny-stable/ckpt/step_0000240 "
+    "--out_dir=out/tiny-anneal-sqrt": ("run", ANNEAL_FROM_STEP_2),
+    "python train.py --preset tiny --decay_shape=linear --resume=out/tiny-stable/ckpt/step_0000240 "
+    "--out_dir=out/tiny-anneal-linear": ("run", ANNEAL_FROM_STEP_2),
+    "python report.py out/tiny-stable out/tiny-anneal-sqrt out/tiny-anneal-linear "
+    "--out out/compare": ("run", []),
     "python train.py --preset tiny --muon_peak_lr=0.01 --model.n_layers=6 "
     "--out_dir=out/tiny6": ("run", FEW_STEPS),
     "python train.py --config run.toml": ("run", FEW_STEPS),

@@ -124,15 +124,19 @@ def test_a_run_draws_its_log_and_states_its_numbers(small_data_dir, tmp_path):
 
 
 def test_a_resumed_run_after_a_kill_covers_the_whole_run(small_data_dir, tmp_path):
-    """The first part stops at step 4. Then a kill -9 is simulated: a record of step 5 the
-    resumed run will redo, and a last line cut mid-write. The resumed run logs steps 5-8:
-    the report shows steps 1-8 once each, the resumed run's step 5, the resume marked at
-    step 4 with the knob it changed, and one warning for the cut line."""
+    """The first part stops at step 4. Then a kill -9 is simulated: what a run killed at
+    step 6 leaves, a train record of step 5, an evaluation at step 6, and a last line cut
+    mid-write. The resumed run logs steps 5-8 from the checkpoint of step 4 (it evaluates at
+    8 only): the report shows steps 1-8 once each, the resumed run's step 5, no evaluation
+    at 6 (undone by the resume at 4), the resume marked at step 4 with the knob it changed,
+    and one warning for the cut line."""
     first = micro_config(small_data_dir, str(tmp_path), stop_at_step=4, write_report=True)
     train.main(first)
     with open(tmp_path / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"kind": "train", "step": 5, "loss": 99.0, "tokens_seen": 2560})
-                + '\n{"kind": "train", "step": 6, "lo')
+        for record in ({"kind": "train", "step": 5, "loss": 99.0, "tokens_seen": 2560},
+                       {"kind": "eval", "step": 6, "val_loss": 99.0, "tokens_seen": 3072}):
+            f.write(json.dumps(record) + "\n")
+        f.write('{"kind": "train", "step": 6, "lo')
     cut_line = len((tmp_path / "metrics.jsonl").read_text().splitlines())
     train.main(dataclasses.replace(first, stop_at_step=8))
 
@@ -140,6 +144,7 @@ def test_a_resumed_run_after_a_kill_covers_the_whole_run(small_data_dir, tmp_pat
     logged = [r for r in records_lenient(tmp_path) if r.get("kind") == "train"]
     assert [r["step"] for r in run.rows("train")] == list(range(1, 9))
     assert run.records["train"][5] == logged[-4] and run.records["train"][5]["loss"] != 99.0
+    assert [r["step"] for r in run.rows("eval")] == [0, 4, 8]
     assert run.warnings == [f"{tmp_path / 'metrics.jsonl'}: line {cut_line} cannot be read "
                             f"(cut short by a kill -9?); reported without it"]
     fig = report.draw([run])
@@ -207,8 +212,9 @@ def test_the_report_is_redrawn_at_checkpoints_and_last_at_the_end(small_data_dir
 
 
 def test_a_stop_waits_for_the_report_only_so_long(tmp_path, monkeypatch, capsys):
-    """A report that hangs is stopped STOP_REPORT_WAIT_S after a stop, with one line on how
-    to write it later: a SIGTERM stop is never held past the launcher's patience."""
+    """A report that hangs is waited for STOP_REPORT_WAIT_S after a stop, then left to
+    finish in the background, with one line on how to draw it again: a SIGTERM stop is
+    never held past the launcher's patience."""
     script = tmp_path / "slow_report.py"
     script.write_text("import time\ntime.sleep(60)\n")
     monkeypatch.setattr(log, "REPORT_SCRIPT", script)
@@ -217,11 +223,14 @@ def test_a_stop_waits_for_the_report_only_so_long(tmp_path, monkeypatch, capsys)
     t0 = time.perf_counter()
     with log.MetricsLogger(cfg, True, torch.device("cpu"), 1, {"causal": 1.0, "palm": 1.0},
                            start_step=0) as logger:
-        logger.write({"kind": "checkpoint", "step": 3, "seconds": 0.1})  # stopped at 3 of 8
-    assert time.perf_counter() - t0 < 5
-    assert logger.report.returncode is not None  # stopped, not left running
-    assert f"report: not written (stopped after 0.5 s); the run is unaffected: `python " \
-           f"report.py {tmp_path}` writes it from the folder" in capsys.readouterr().out
+        logger.log_checkpoint(3, seconds=0.1)  # starts the slow report; stopped at 3 of 8
+    took = time.perf_counter() - t0
+    still_drawing = logger.report.poll() is None
+    logger.report.kill()
+    logger.report.wait()
+    assert took < 5 and still_drawing
+    assert f"report: still drawing 0.5 s after the stop; it finishes in the background " \
+           f"(`python report.py {tmp_path}` draws it again)" in capsys.readouterr().out
 
 
 def test_the_report_reads_the_log_without_torch():
@@ -347,3 +356,20 @@ def test_a_tiny_run_is_read_against_the_reference_seeds(tmp_path, monkeypatch):
     start["preset_changes"].append(["muon_peak_lr", 0.006, 0.01])
     changed.write_text("\n".join([json.dumps(start)] + changed.read_text().splitlines()[1:]))
     assert report.reference_verdict(report.read_run(tmp_path / "ours")) is None
+
+
+def test_the_reference_runs_kept_in_the_repository():
+    """Three finished runs of the unmodified tiny preset, one per seed, strict JSON; the
+    default seed's final numbers are the ones README quotes."""
+    seeds = sorted(report.REFERENCE.glob("seed-*"))
+    assert len(seeds) == 3
+    finals = {}
+    for folder in seeds:
+        [start], [end] = records(folder, "start"), records(folder, "end")
+        assert start["preset"] == "tiny" and end["outcome"] == "finished"
+        assert {k for k, *_ in start["preset_changes"]} <= report.UNCHANGED_BY
+        finals[start["config"]["seed"]] = records(folder, "eval")[-1]
+    assert len(finals) == 3 and 1337 in finals
+    readme = (REPO / "README.md").read_text()
+    assert f"eval    300 | val_loss {finals[1337]['val_loss']:.4f} | val_bpb " \
+           f"{finals[1337]['val_bpb']:.4f}" in readme
