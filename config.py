@@ -435,14 +435,18 @@ def check_epochs(cfg: TrainConfig, plan: list[dict]) -> list[str]:
 FIXED_ON_RESUME = ("model.", "seq_len", "seed", "matrix_optimizer")
 
 
+def flat(config: dict) -> dict:
+    """A config as dataclasses.asdict, a train_state.json or a start record holds it, with
+    the model's knobs in it as `model.<knob>`."""
+    config = dict(config)
+    model = config.pop("model", {})
+    return {**config, **{f"model.{k}": v for k, v in model.items()}}
+
+
 def differences(cfg: TrainConfig, other: dict) -> list[tuple[str, object, object]]:
     """(knob, other's value, cfg's value) for each knob in which cfg differs from `other`,
     a config as dataclasses.asdict or a train_state.json holds it; model knobs are named
     `model.<knob>`, and a knob `other` lacks (a config older than the knob) counts as equal."""
-    def flat(config: dict) -> dict:
-        config = dict(config)
-        model = config.pop("model")
-        return {**config, **{f"model.{k}": v for k, v in model.items()}}
     ours = flat(json.loads(json.dumps(dataclasses.asdict(cfg))))  # tuples compare as lists
     theirs = flat(json.loads(json.dumps(other)))
     return [(k, theirs.get(k), v) for k, v in ours.items() if theirs.get(k, v) != v]

@@ -372,7 +372,7 @@ def last_byte(path: Path) -> bytes:
 
 def train_line(record: dict, lrs: dict[str, float], has_peak: bool) -> str:
     """E.g. `step 100 | loss 4.0663 (ce 4.0574 z 8.93e-03) | gnorm 0.909 | lr muon 6.00e-03
-    adamw 3.00e-03 | 5,649 tok/s | 0.14 TFLOP/s | MFU n/a | mem 1.47 GiB | …` (the tiny run's
+    adamw 3.00e-03 | 2,179 tok/s | 0.06 TFLOP/s | MFU n/a | mem 1.42 GiB | …` (the tiny run's
     step 100, README's "What a run looks like")."""
     mfu = f"{record['mfu']:.1%} ({record['mfu_palm']:.1%} palm)" if has_peak else "n/a"
     rates = " ".join(f"{name} {lr:.2e}" for name, lr in lrs.items())

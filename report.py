@@ -24,8 +24,9 @@ finals and of the knobs in which they differ. A run of the `tiny` preset, unmodi
 drawn over the reference seeds kept in reference/tiny/, and the report says whether its
 final val loss falls within their spread.
 
-Imports from stacklm: cli (the one-line errors). It reads JSON and draws with matplotlib
-(a bare Figure, rendered by Agg: no display, no pyplot state).
+Imports from stacklm: cli (the one-line errors) and config (knob names; neither imports
+torch). It reads JSON and draws with matplotlib (a bare Figure, rendered by Agg: no
+display, no pyplot state).
 """
 
 import argparse
@@ -40,6 +41,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
+import config
 from cli import user_errors
 
 REFERENCE = Path(__file__).resolve().parent / "reference" / "tiny"
@@ -364,15 +366,19 @@ BOUNDARY_STYLE = {"warmup end": ("tab:green", "--"), "decay start": ("tab:orange
 
 
 def mark_boundaries(ax, marks: list, color: str | None, label: bool):
-    """Vertical lines at `boundaries`, each with gid "boundary:<what>:<step>"."""
-    seen = set()
+    """Vertical lines at `boundaries`, each with gid "boundary:<what>:<step>". The schedule's
+    and the data's lines keep their own colours; a resume or a branch point, which belongs
+    to one run, takes the run's `color` where runs are compared. Where `label`, each is
+    named once in the panel's legend."""
+    named = set(ax.get_legend_handles_labels()[1])
     for what, step, x in marks:
-        kind = what if what in BOUNDARY_STYLE else "resume"
-        line_color, style = BOUNDARY_STYLE[kind]
-        name = what if label and what not in seen else None
-        seen.add(what)
-        ax.axvline(x, color=color or line_color, ls=style, lw=0.9,
-                   alpha=0.8, label=name, gid=f"boundary:{what}:{step}")
+        line_color, style = BOUNDARY_STYLE.get(what, BOUNDARY_STYLE["resume"])
+        if what == "resume" or what not in BOUNDARY_STYLE:
+            line_color = color or line_color
+        ax.axvline(x, color=line_color, ls=style, lw=0.9, alpha=0.8,
+                   label=what if label and what not in named else None,
+                   gid=f"boundary:{what}:{step}")
+        named.add(what)
 
 
 def tokens_at(run: RunLog, steps: list[int]) -> list[float]:
@@ -495,8 +501,9 @@ def start_rows(run: RunLog) -> list[str]:
     rows = []
     for start, end in zip(run.starts, run.ends):
         hw = start["hardware"]
-        hardware = (f"{hw['world']} × {hw.get('device_name') or hw['device']} "
-                    f"({hw['distributed']}, {hw['precision']}, torch {hw.get('torch', '?')})")
+        mode = "one process" if hw["distributed"] == "NO" else hw["distributed"]  # accelerate's
+        hardware = (f"{hw['world']} × {hw.get('device_name') or hw['device']} ({mode}, "
+                    f"precision {hw['precision']}, torch {hw.get('torch', '?')})")
         changed = ", ".join(f"{k} {cell(a)} → {cell(b)}" for k, a, b in start["resume_changes"])
         if start.get("resumed_from") and not changed:
             changed = "none"
@@ -556,18 +563,11 @@ def comparison(runs: list[RunLog]) -> str:
 
 def knob_differences(runs: list[RunLog]) -> dict[str, list]:
     """knob -> each run's value, for the knobs the runs' final configs do not share."""
-    flat = [flatten(run.config) for run in runs]
-    knobs = sorted({k for config in flat for k in config} - NOT_COMPARED)
-    missing = object()
+    flat = [config.flat(run.config) for run in runs]
+    knobs = sorted(set().union(*flat) - NOT_COMPARED)
+    # A knob one config lacks (a log older than the knob) differs even from a null.
     return {k: [c.get(k) for c in flat] for k in knobs
-            if len({json.dumps(c.get(k, missing) if c.get(k, missing) is not missing
-                               else "(absent)") for c in flat}) > 1}
-
-
-def flatten(config: dict) -> dict:
-    model = config.get("model", {})
-    return {**{k: v for k, v in config.items() if k != "model"},
-            **{f"model.{k}": v for k, v in model.items()}}
+            if len({json.dumps((k in c, c.get(k))) for c in flat}) > 1}
 
 
 # ---------------------------------------------------------------------------------------
@@ -579,7 +579,7 @@ def write(folders: list, out: Path | None = None) -> tuple[Path, str | None, lis
     several compared (into `out`); the folder written, the reference verdict of a single
     run (reference_verdict), and the warnings of the logs read."""
     runs = [read_run(folder) for folder in folders]
-    out = Path(out) if out else runs[0].path
+    out = Path(out or folders[0])
     verdict = reference_verdict(runs[0]) if len(runs) == 1 else None
     if len(runs) == 1:
         reference = reference_runs() if verdict else []

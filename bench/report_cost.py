@@ -115,6 +115,7 @@ def main():
         "reference_wall_s_one_gpu": round(wall), "reference_wall_s_8_gpus": round(wall / 8),
         "training_process_share_one_gpu": on_training / wall,
         "training_process_share_8_gpus": on_training / (wall / 8),
+        "all_reports_serial_share_one_gpu": reports * cold / wall,
         "all_reports_serial_share_8_gpus": reports * cold / (wall / 8),
     }))
 

@@ -158,3 +158,9 @@ def test_every_readme_command_runs_as_written(tmp_path):
                               timeout=600)
         assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
         assert "Traceback" not in done.stderr, command
+    # The reports README shows: the tiny run's own, written by the command, and the overlay.
+    assert "finished at step 2 of 2" in (cwd / "out" / "tiny" / "report.md").read_text()
+    assert "# Runs compared: tiny-stable, tiny-anneal-sqrt, tiny-anneal-linear" in (
+        cwd / "out" / "compare" / "report.md").read_text()
+    for folder in ("tiny", "compare"):
+        assert (cwd / "out" / folder / "report.png").stat().st_size > 10_000
