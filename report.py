@@ -16,8 +16,9 @@ How the log is read (log.py writes it): records come in starts, each opened by a
 record. A start that resumes from step S undoes everything an earlier start logged past S
 (a kill -9 leaves steps no checkpoint kept), and a step logged twice counts once, its last
 record. A run that continues another folder's checkpoint (an anneal branched from the
-stable run) shows that folder's history up to the branch point. A line a kill -9 cut
-short is left out with one warning.
+stable run) shows that folder's history up to the branch point: the folder the checkpoint
+was in, or, where both were moved since, the folder of that name beside this one. A line a
+kill -9 cut short is left out with one warning.
 
 Several folders are overlaid in one figure, labelled by folder name, with a table of their
 finals and of the knobs in which they differ. A run of the `tiny` preset, unmodified, is
@@ -152,6 +153,8 @@ def inherit(run: RunLog, seen: frozenset):
     if not source:
         return
     parent = Path(source).parent.parent  # out_dir/ckpt/step_XXXXXXX
+    if not (parent / "metrics.jsonl").exists():  # both folders moved since (off a cluster)
+        parent = run.path.parent / parent.name
     if parent.resolve() in seen or parent.resolve() == run.path:
         return
     step = first["step"]
@@ -260,6 +263,12 @@ def reference_runs() -> list[RunLog]:
 # ---------------------------------------------------------------------------------------
 
 PANELS = ("train loss", "val loss", "learning rate", "gradient norm", "tokens/s", "MFU")
+# Where each panel's legend covers least, fixed ("best" would search every point): losses
+# and the gradient norm fall from the upper left; the learning rates hold high until the
+# decay; throughput dips at the start, then holds level.
+LEGEND_AT = {"train loss": "upper right", "val loss": "upper right",
+             "learning rate": "lower center", "gradient norm": "upper right",
+             "tokens/s": "lower right", "MFU": "lower right"}
 SMOOTHING_POINTS = 40  # the smoothed train loss averages over ~1/40 of the logged points
 
 
@@ -268,11 +277,12 @@ def draw(runs: list[RunLog], reference: list[RunLog] = ()) -> Figure:
     fig = Figure(figsize=(13, 10.5))  # margins set by hand: a layout engine costs seconds
     fig.subplots_adjust(left=0.06, right=0.985, bottom=0.06, top=0.93, hspace=0.22, wspace=0.16)
     axes = dict(zip(PANELS, fig.subplots(3, 2, sharex=True).flat))
-    for seed in reference:
+    for k, seed in enumerate(reference):  # one legend entry for all of them
+        label = f"reference ({len(reference)} seeds)" if k == 0 else None
         curve(axes["train loss"], seed, "train", "loss", color="0.75", lw=0.8, smooth=True,
-              label=f"reference {seed.name}", gid="reference")
+              label=label, gid="reference")
         curve(axes["val loss"], seed, "eval", "val_loss", color="0.75", lw=0.8, marker=".",
-              label=f"reference {seed.name}", gid="reference")
+              label=label, gid="reference")
     for k, run in enumerate(runs):
         draw_run(axes, run, f"C{k}", run.name if len(runs) > 1 else "")
     finish(fig, axes, runs)
@@ -406,7 +416,7 @@ def finish(fig: Figure, axes: dict, runs: list[RunLog]):
         ax.set_ylabel(units[title], fontsize=8)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7, loc="upper right")  # "best" searches every point
+            ax.legend(fontsize=7, loc=LEGEND_AT[title])
     if not any(line.get_gid() == "mfu" for line in axes["MFU"].lines):
         axes["MFU"].text(0.5, 0.5, "MFU n/a: no peak FLOP/s known for this device",
                          ha="center", va="center", transform=axes["MFU"].transAxes)

@@ -14,10 +14,12 @@ import pytest
 import config
 import data
 import prepare
+import report
 import sample
 import train
 from conftest import micro_config
 from test_errors import run_cli
+from test_report import records, series, table
 from test_train import checkpoint_weights, train_records
 
 T = 32
@@ -278,6 +280,36 @@ def test_each_source_is_validated_and_the_mixture_is_its_first_stage_mean(source
     assert seen == records[-1]["tokens_seen"] == 2 * cfg.global_batch_tokens
     share = records[-1][f"tokens/{sources[0]}"] / seen
     assert abs(share - 0.75) <= 2 * cfg.seq_len / seen  # within two windows of its share
+
+
+def test_the_report_draws_each_source_marks_the_stage_and_states_the_plan(sources, tmp_path):
+    """A 3:1 mixture, then the anneal source from step 4: the report draws the mixture's val
+    loss and each source's as the log has them, marks the stage on every panel at its step,
+    and report.md gives each source's final val loss and the plan's rows as the start
+    record holds them."""
+    cfg = micro_config(f"{sources[0]}:3,{sources[1]}:1", str(tmp_path), eval_every=2,
+                       anneal_data_dir=sources[2], decay_start=4, write_report=True)
+    train.main(cfg)
+    evals, [start] = records(tmp_path, "eval"), records(tmp_path, "start")
+    fig = report.draw([report.read_run(tmp_path)])
+    for gid, key in [("val loss", "val_loss"), *((f"val loss/{s}", f"val_loss/{s}")
+                                                 for s in sources)]:
+        [line] = series(fig, gid, "val loss")
+        assert list(line.get_xdata()) == [r["tokens_seen"] for r in evals]
+        assert list(line.get_ydata()) == [r[key] for r in evals]
+    stage = series(fig, "boundary:data stage:4")
+    assert len(stage) == 6 and all(list(line.get_xdata()) == [4 * cfg.global_batch_tokens] * 2
+                                   for line in stage)
+    text = (tmp_path / "report.md").read_text()
+    val = table(text)["val loss, step 8"]
+    assert val.startswith(f"{evals[-1]['val_loss']:.4f} (the mixture; ")
+    assert all(f"{s} {evals[-1][f'val_loss/{s}']:.4f}" in val for s in sources)
+    assert [(r["start"], r["source"]) for r in start["plan"]] == [
+        (0, sources[0]), (0, sources[1]), (4, sources[2])]
+    for row in start["plan"]:
+        assert (f"| {row['start']:,} | {row['source']} | {row['weight']:g} | "
+                f"{row['available']:,} | {row['planned']:,} | "
+                f"{row['planned'] / row['available']:.2f} |") in text
 
 
 def test_the_banner_plans_each_stage_and_warns_per_source(sources, tmp_path, capsys):

@@ -1,9 +1,11 @@
 """report.py: what the run report draws and says, read back from the figure's artists and the
 markdown's table, against the records of metrics.jsonl as this test reads them itself."""
 
+import contextlib
 import dataclasses
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -194,21 +196,49 @@ def test_a_diverged_run_reports_why_it_ended(small_data_dir, tmp_path):
 
 # --- the log's background writer --------------------------------------------------------
 
-def test_the_report_is_redrawn_at_checkpoints_and_last_at_the_end(small_data_dir, tmp_path,
-                                                                  monkeypatch):
-    """report.py replaced by a script that notes its arguments and the last record it can
-    read: it runs quietly at a checkpoint, then once more, loudly, after the end record."""
+def fake_report(tmp_path: Path, monkeypatch) -> Path:
+    """report.py replaced by a script that reads the last record it can, takes 0.3 s, then
+    notes its arguments and that record's kind in the file returned: a note that is there
+    when the run returns was waited for."""
     script, calls = tmp_path / "fake_report.py", tmp_path / "calls.txt"
-    script.write_text("import sys, pathlib\n"
+    script.write_text("import sys, pathlib, time\n"
                       "last = (pathlib.Path(sys.argv[1]) / 'metrics.jsonl').read_text()"
                       ".splitlines()[-1]\n"
+                      "time.sleep(0.3)\n"
                       f"with open({str(calls)!r}, 'a') as f: f.write(' '.join(sys.argv[2:]) + "
                       "' ' + last.split(',')[0] + '\\n')\n")
     monkeypatch.setattr(log, "REPORT_SCRIPT", script)
+    return calls
+
+
+def test_the_report_is_redrawn_at_checkpoints_and_last_at_the_end(small_data_dir, tmp_path,
+                                                                  monkeypatch):
+    """It runs quietly at a checkpoint, then once more, loudly, after the end record, and
+    the run returns only when that one is done."""
+    calls = fake_report(tmp_path, monkeypatch)
     train.main(micro_config(small_data_dir, str(tmp_path / "run"), write_report=True))
     noted = calls.read_text().splitlines()
     assert noted[0] == '--quiet {"kind": "checkpoint"'  # step 4's checkpoint
     assert noted[-1] == ' {"kind": "end"'  # the final one, after the end record
+
+
+@pytest.mark.parametrize("ending", ["stopped", "error"])
+def test_a_stopped_or_failed_run_waits_for_its_final_report(tmp_path, monkeypatch, ending):
+    """A run that stops at step 3 of 8 (a SIGTERM) or fails there: the checkpoint's report,
+    then the final one after the end record, done before the log is left."""
+    calls = fake_report(tmp_path, monkeypatch)
+    cfg = micro_config("unused", str(tmp_path / "run"), write_report=True)
+    with pytest.raises(RuntimeError) if ending == "error" else contextlib.nullcontext():
+        with log.MetricsLogger(cfg, True, torch.device("cpu"), 1, {"causal": 1.0, "palm": 1.0},
+                               start_step=0) as logger:
+            logger.log_checkpoint(3, seconds=0.1)
+            if ending == "error":
+                raise RuntimeError("a fault at step 3")
+    noted = calls.read_text().splitlines()
+    assert [note.startswith("--quiet ") for note in noted] == [True, False]  # checkpoint, final
+    assert noted[-1] == ' {"kind": "end"'
+    [end] = records(cfg.out_dir, "end")
+    assert (end["step"], end["outcome"]) == (3, ending)
 
 
 def test_a_stop_waits_for_the_report_only_so_long(tmp_path, monkeypatch, capsys):
@@ -317,6 +347,15 @@ def test_a_stable_run_and_two_anneals_from_its_checkpoint(small_data_dir, tmp_pa
     assert '| decay_shape | "sqrt" | "sqrt" | "linear" |' in text
     assert "| stop_at_step | 6 | 8 | 8 |" in text
 
+    # Copied elsewhere together (off a cluster, say), an anneal still finds its history.
+    moved = tmp_path / "moved"
+    for folder in folders[:2]:
+        shutil.copytree(folder, moved / folder.name)
+    shutil.rmtree(folders[0])
+    copy = report.read_run(moved / "sqrt")
+    assert copy.branch == ("stable", 6) and copy.warnings == []
+    assert [r["grad_norm"] for r in copy.rows("train")] == own[0] + own[1]
+
 
 def test_the_nearest_preset_and_the_differences_from_it():
     assert config.nearest_preset(config.tiny()) == ("tiny", [])
@@ -337,10 +376,13 @@ def test_comparing_needs_an_out_folder(tmp_path):
 
 def test_a_tiny_run_is_read_against_the_reference_seeds(tmp_path, monkeypatch):
     """Three hand-made seeds end at 4.20, 4.22 and 4.25: 4.21 is within, 4.30 is 0.05 above;
-    a run that changed a knob that matters is not compared."""
+    the report draws each seed's val loss under the run's; a run that changed a knob that
+    matters is not compared, and no seed is drawn."""
     for seed, final in zip((1, 2, 3), (4.20, 4.22, 4.25)):
         hand_made_log(tmp_path / "reference" / f"seed-{seed}", [5.0, 4.5], val_loss=final)
     monkeypatch.setattr(report, "REFERENCE", tmp_path / "reference")
+    figures, draw = [], report.draw
+    monkeypatch.setattr(report, "draw", lambda *a: figures.append(draw(*a)) or figures[-1])
     hand_made_log(tmp_path / "ours", [5.0, 4.4], val_loss=4.21)
     assert report.reference_verdict(report.read_run(tmp_path / "ours")) == (
         "reference: final val loss 4.2100 is within the reference seeds' spread "
@@ -348,6 +390,8 @@ def test_a_tiny_run_is_read_against_the_reference_seeds(tmp_path, monkeypatch):
     out, verdict, _ = report.write([tmp_path / "ours"])
     fig_text = (out / "report.md").read_text()
     assert "Reference: final val loss 4.2100 is within" in fig_text
+    drawn = [list(line.get_ydata()) for line in series(figures[-1], "reference", "val loss")]
+    assert drawn == [[4.20], [4.22], [4.25]]
 
     hand_made_log(tmp_path / "ours", [5.0, 4.4], val_loss=4.30)
     assert report.reference_verdict(report.read_run(tmp_path / "ours")) == (
@@ -358,6 +402,8 @@ def test_a_tiny_run_is_read_against_the_reference_seeds(tmp_path, monkeypatch):
     start["preset_changes"].append(["muon_peak_lr", 0.006, 0.01])
     changed.write_text("\n".join([json.dumps(start)] + changed.read_text().splitlines()[1:]))
     assert report.reference_verdict(report.read_run(tmp_path / "ours")) is None
+    report.write([tmp_path / "ours"])
+    assert series(figures[-1], "reference") == []
 
 
 def test_the_reference_runs_kept_in_the_repository():

@@ -305,10 +305,12 @@ def test_resume_keeps_the_skipped_step_count(small_data_dir, tmp_path, monkeypat
 
 
 def test_sigterm_saves_exits_zero_and_resumes_exactly(small_data_dir, tmp_path):
-    """SIGTERM mid-run: the step finishes, a checkpoint is written, exit code 0; resuming
-    reaches the same weights, bit for bit, as a run that was never interrupted."""
+    """SIGTERM mid-run: the step finishes, a checkpoint is written, the run report says
+    where it stopped, exit code 0; resuming reaches the same weights, bit for bit, as a run
+    that was never interrupted."""
     cfg = micro_config(small_data_dir, str(tmp_path / "killed"), total_steps=400,
-                       stop_at_step=400, eval_every=1000, ckpt_every=1000, warmup_steps=10)
+                       stop_at_step=400, eval_every=1000, ckpt_every=1000, warmup_steps=10,
+                       write_report=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(launch_command(cfg), cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -324,8 +326,10 @@ def test_sigterm_saves_exits_zero_and_resumes_exactly(small_data_dir, tmp_path):
     saved = checkpoint.find(cfg.out_dir, "auto")
     stopped_at = json.loads((saved / "train_state.json").read_text())["step"]
     assert 3 <= stopped_at < 400
+    assert f"| outcome | stopped at step {stopped_at:,} of 400 |" in \
+        (tmp_path / "killed" / "report.md").read_text()
 
-    resumed = dataclasses.replace(cfg, stop_at_step=stopped_at + 2)
+    resumed = dataclasses.replace(cfg, stop_at_step=stopped_at + 2, write_report=False)
     launch(resumed)
     straight = dataclasses.replace(resumed, out_dir=str(tmp_path / "straight"))
     launch(straight)
