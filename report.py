@@ -382,8 +382,9 @@ def mark_boundaries(ax, marks: list, color: str | None, label: bool):
     named once in the panel's legend."""
     named = set(ax.get_legend_handles_labels()[1])
     for what, step, x in marks:
-        line_color, style = BOUNDARY_STYLE.get(what, BOUNDARY_STYLE["resume"])
-        if what == "resume" or what not in BOUNDARY_STYLE:
+        kind = what if what in BOUNDARY_STYLE else "resume"  # a branch point draws as one
+        line_color, style = BOUNDARY_STYLE[kind]
+        if kind == "resume":
             line_color = color or line_color
         ax.axvline(x, color=line_color, ls=style, lw=0.9, alpha=0.8,
                    label=what if label and what not in named else None,
