@@ -22,13 +22,16 @@ from model import Transformer
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def single_window_evaluation(cfg) -> dict:
+def single_window_evaluation(cfg, model=None, data_dir=None) -> dict:
     """The oracle: every val window once, one at a time (batch of 1, one process), summed by
-    hand; val loss = total CE / targets, bits per byte = total CE / ln 2 / target bytes."""
-    torch.manual_seed(0)
-    model = Transformer(cfg.model).eval()
-    token_bytes = data.token_bytes(cfg.data_dir)
-    loader = data.PackedShardLoader(cfg.data_dir, "val", cfg.seq_len, 1)
+    hand; val loss = total CE / targets, bits per byte = total CE / ln 2 / target bytes.
+    `model` defaults to a fresh one seeded with 0, `data_dir` to cfg.data_dir."""
+    if model is None:
+        torch.manual_seed(0)
+        model = Transformer(cfg.model)
+    model, data_dir = model.eval(), data_dir or cfg.data_dir
+    token_bytes = data.token_bytes(data_dir)
+    loader = data.PackedShardLoader(data_dir, "val", cfg.seq_len, 1)
     n_windows = min(cfg.eval_tokens // cfg.seq_len, loader.windows_per_epoch)
     ce = tokens = n_bytes = 0.0
     with torch.no_grad():

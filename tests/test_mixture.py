@@ -18,7 +18,9 @@ import report
 import sample
 import train
 from conftest import micro_config
+from model import Transformer
 from test_errors import run_cli
+from test_data_at_scale import single_window_evaluation
 from test_report import records, series, table
 from test_train import checkpoint_weights, train_records
 
@@ -40,6 +42,22 @@ def sources(small_data_dir, tmp_path_factory) -> list[str]:
                         tokenizer=str(Path(small_data_dir) / "tokenizer.json"))
         dirs.append(str(out))
     return dirs
+
+
+@pytest.fixture(scope="module")
+def foreign(small_data_dir, tmp_path_factory) -> str:
+    """A source nothing like the others: 60 documents of random Greek words, encoded with
+    small_data_dir's tokenizer (trained on Python, it spells Greek letters as bytes)."""
+    rng = np.random.default_rng(0)
+    letters = list("αβγδεζηθικλμνξοπρστυφχψω")
+    text = tmp_path_factory.mktemp("greek_text")
+    for i in range(60):
+        words = ["".join(rng.choice(letters, rng.integers(2, 9))) for _ in range(120)]
+        (text / f"doc_{i:02d}.txt").write_text(" ".join(words), encoding="utf-8")
+    out = tmp_path_factory.mktemp("greek") / "greek"
+    prepare.prepare(str(text), str(out), val_fraction=0.2,
+                    tokenizer=str(Path(small_data_dir) / "tokenizer.json"))
+    return str(out)
 
 
 # ---------------------------------------------------------------------------------------
@@ -280,6 +298,33 @@ def test_each_source_is_validated_and_the_mixture_is_its_first_stage_mean(source
     assert seen == records[-1]["tokens_seen"] == 2 * cfg.global_batch_tokens
     share = records[-1][f"tokens/{sources[0]}"] / seen
     assert abs(share - 0.75) <= 2 * cfg.seq_len / seen  # within two windows of its share
+
+
+def test_each_source_is_scored_on_its_own_val_split(sources, foreign, tmp_path):
+    """Six steps on Python alone, then the anneal on Greek text from step 6 (decay_start).
+    At step 6 the Python source's val loss is far below the Greek one's, and each equals the
+    oracle on its own val split with the step-6 weights; at step 7, inside the anneal,
+    `val_loss` is still the first stage's mean: the Python source's, not the Greek one's."""
+    python = sources[0]
+    cfg = micro_config(python, str(tmp_path), anneal_data_dir=foreign, eval_every=6,
+                       ckpt_every=6, stop_at_step=7, decay_start=6)
+    train.main(cfg)
+    evals = {r["step"]: r for r in records(tmp_path, "eval")}
+    assert sorted(evals) == [0, 6, 7]
+    assert all(f"val_loss/{d}" in evals[0] and f"val_bpb/{d}" in evals[0]
+               for d in (python, foreign))  # from step 0, the anneal's source too
+    at6 = evals[6]
+    assert at6[f"val_loss/{foreign}"] > at6[f"val_loss/{python}"] + 0.3  # 0.59 apart
+    model = Transformer(cfg.model)
+    model.load_state_dict(checkpoint_weights(cfg, 6))
+    for source in (python, foreign):
+        want = single_window_evaluation(cfg, model, source)
+        assert at6[f"val_loss/{source}"] == pytest.approx(want["val_loss"], rel=1e-5)
+        assert at6[f"val_bpb/{source}"] == pytest.approx(want["val_bpb"], rel=1e-5)
+    at7 = evals[7]
+    assert at7[f"val_loss/{foreign}"] > at7[f"val_loss/{python}"] + 0.1
+    assert at7["val_loss"] == pytest.approx(at7[f"val_loss/{python}"], rel=1e-12)
+    assert at7["val_bpb"] == pytest.approx(at7[f"val_bpb/{python}"], rel=1e-12)
 
 
 def test_the_report_draws_each_source_marks_the_stage_and_states_the_plan(sources, tmp_path):
