@@ -4,6 +4,7 @@ may not change; per-source validation and the run's data plan."""
 
 import dataclasses
 import json
+from fractions import Fraction
 import shutil
 import sysconfig
 from pathlib import Path
@@ -22,7 +23,7 @@ from model import Transformer
 from test_errors import run_cli
 from test_data_at_scale import single_window_evaluation
 from test_report import records, series, table
-from test_train import checkpoint_weights, train_records
+from test_train import REPO, checkpoint_weights, train_records
 
 T = 32
 
@@ -87,6 +88,19 @@ def test_every_prefix_and_every_batch_holds_each_share(sources):
         alone = data.interleave(weights, first, count)
         assert np.array_equal(alone[0], source[first:first + count])
         assert np.array_equal(alone[1], index[first:first + count])
+
+
+def test_the_stream_takes_every_sources_windows_in_key_order():
+    """README's rule, by sorting: window j of source i has the key (j + 1/2) / w_i, and the
+    stream is every window in key order, a tie going to the source listed first."""
+    rng = np.random.default_rng(2)
+    for weights in [[1, 1], [3, 1], [2, 3], [7, 2, 1], [5, 5, 2]] + [
+            rng.integers(1, 12, size=rng.integers(2, 5)).tolist() for _ in range(20)]:
+        keys = sorted((Fraction(2 * j + 1, 2 * w), i, j)
+                      for i, w in enumerate(weights) for j in range(300 * w // sum(weights) + 2))
+        source, index = data.interleave(weights, 0, 300)
+        assert list(zip(source.tolist(), index.tolist())) == [(i, j) for _, i, j in keys[:300]], \
+            weights
 
 
 def test_weights_become_the_smallest_integers_in_the_same_ratio():
@@ -181,6 +195,22 @@ def test_a_toml_file_lists_stages(tmp_path):
     assert cfg.stages(240) == [(0, (("a", 2 / 3), ("b", 1 / 3))), (50, (("c", 1.0),))]
 
 
+def test_the_recipe_file_holds_the_mixture_and_the_anneal_readme_names(monkeypatch):
+    """configs/smollm_mixture.toml under the stack100m preset: the stable mix of README
+    (0.85, 0.12, 0.03) from step 0, the anneal from decay_start, and a run that stops at the
+    end of the stable phase, step 34,332, where the anneal's checkpoint is."""
+    monkeypatch.chdir(REPO)
+    cfg, _ = config.parse_args(["--preset", "stack100m", "--config",
+                                "configs/smollm_mixture.toml"])
+    assert cfg.stop_at_step == config.wsd_phases(cfg).decay_start == 34_332
+    (start, stable), (anneal_start, anneal) = cfg.stages(34_332)
+    assert (start, anneal_start) == (0, 34_332)
+    assert dict(stable) == pytest.approx({"data/fwe-dedup": 0.85, "data/cosmo": 0.12,
+                                          "data/finemath": 0.03})
+    assert dict(anneal) == pytest.approx({"data/fwe-dedup": 0.4, "data/cosmo": 0.3,
+                                          "data/finemath": 0.3})
+
+
 def test_sources_with_different_tokenizers_are_refused_naming_both(sources, prepared,
                                                                    tmp_path, capsys):
     cfg = micro_config(f"{sources[0]}:1,{prepared}:1", str(tmp_path))
@@ -248,6 +278,24 @@ def test_the_handoff_trains_exactly_as_both_stages_from_the_start(sources, tmp_p
 def checkpoint_weights_equal(a, b, step) -> bool:
     wa, wb = checkpoint_weights(a, step), checkpoint_weights(b, step)
     return wa.keys() == wb.keys() and all(bool((wa[k] == wb[k]).all()) for k in wa)
+
+
+def test_a_stage_begins_on_its_step_and_its_checkpoint_is_never_pruned(sources, tmp_path):
+    """Two micro-batches a step; a [[data_stages]] table from step 2. Steps 1 and 2 read the
+    first source only, steps 3 to 8 the second only: no global batch spans the switch. With
+    keep_last_ckpts=1, the checkpoints where the stage begins (2) and where the decay leg
+    begins (6) are kept beside the newest (8); step 4's is pruned."""
+    a, b = sources[0], sources[1]
+    cfg = dataclasses.replace(micro_config(a, str(tmp_path), ckpt_every=2, keep_last_ckpts=1),
+                              data_stages=({"start": 2, "data_dir": b},))
+    assert cfg.grad_accum_steps(1) == 2 and config.wsd_phases(cfg).decay_start == 6
+    train.main(cfg)
+    batch = cfg.global_batch_tokens
+    read = [(r["step"], r[f"tokens/{a}"], r[f"tokens/{b}"]) for r in train_records(cfg)]
+    assert read == [(step, min(step, 2) * batch, max(0, step - 2) * batch)
+                    for step in range(1, 9)]
+    kept = sorted(p.name for p in (Path(cfg.out_dir) / "ckpt").iterdir())
+    assert kept == ["step_0000002", "step_0000006", "step_0000008"]
 
 
 def test_a_begun_stage_cannot_change_and_a_later_one_can(sources, tmp_path, capsys):
@@ -374,6 +422,10 @@ def test_the_banner_plans_each_stage_and_warns_per_source(sources, tmp_path, cap
     assert [(r["start"], r["source"], r["planned"]) for r in plan] == [
         (0, sources[0], 20_000 * 512 * 3 // 4), (0, sources[1], 20_000 * 512 // 4),
         (20_000, sources[2], 20_000 * 512)]
+    for row in plan:  # each row: its share, the tokens it holds, planned, and the epochs
+        assert (f"data from step {row['start']:,}: {row['source']} × {row['weight']:g}, "
+                f"{row['available']:,} train tokens/epoch; this run reads {row['planned']:,} "
+                f"tokens = {row['planned'] / row['available']:.2f} epochs") in out
     over = [r["source"] for r in plan if r["planned"] / r["available"] > 4]
     assert over == sources and out.count("warning: this run reads") == 3
     assert all(f"warning: this run reads {source} " in out for source in over)
