@@ -401,6 +401,55 @@ def test_an_empty_val_split_is_refused_naming_the_fraction_that_fixes_it(corpus,
     assert manifest["splits"]["val"]["documents"] >= 1
 
 
+def decoded_documents(data_dir, split) -> list[str]:
+    tokenizer = Tokenizer.from_file(str(Path(data_dir) / "tokenizer.json"))
+    docs = documents_of(stream(data_dir, split), data.load_manifest(data_dir)["eos_id"])
+    return [tokenizer.decode(d) for d in docs]
+
+
+def test_val_is_about_one_percent_picked_by_name_so_new_files_move_no_document(prepared,
+                                                                                tmp_path):
+    """2,000 one-line files at the default --val_fraction: about 1% of them form val. Then
+    500 more files whose names sort first, so every old file moves down the corpus: each
+    old document stays in the split it was in."""
+    old = tmp_path / "old"
+    old.mkdir()
+    for i in range(2000):
+        (old / f"doc_{i:04d}.py").write_text(f"x = {i}\n")
+    tokenizer = str(prepared / "tokenizer.json")
+    prepare.prepare(str(old), str(tmp_path / "old_prepared"), tokenizer=tokenizer)
+    before = {split: decoded_documents(tmp_path / "old_prepared", split)
+              for split in ("train", "val")}
+    assert 10 <= len(before["val"]) <= 30 and len(before["train"]) + len(before["val"]) == 2000
+    grown = copy_of(old, tmp_path / "grown")
+    for i in range(500):
+        (grown / f"a_new_{i:03d}.py").write_text(f"y = {i}\n")
+    prepare.prepare(str(grown), str(tmp_path / "grown_prepared"), tokenizer=tokenizer)
+    for split in ("train", "val"):
+        after = set(decoded_documents(tmp_path / "grown_prepared", split))
+        assert set(before[split]) <= after, split
+
+
+def test_val_fraction_zero_makes_no_val_split_and_says_so(prepared, corpus, tmp_path, capsys):
+    manifest = prepare.prepare(str(corpus[0]), str(tmp_path / "no_val"), val_fraction=0.0,
+                               tokenizer=str(prepared / "tokenizer.json"))
+    assert manifest["splits"]["val"] == {"documents": 0, "tokens": 0, "bytes": 0, "shards": []}
+    assert manifest["splits"]["train"]["documents"] == len(corpus[1])  # every document
+    assert "data: warning: --val_fraction=0 makes no val split" in capsys.readouterr().out
+
+
+def test_the_command_line_defaults_are_the_ones_readme_gives(monkeypatch):
+    """--val_fraction 0.01 (about 1% of documents), --tokenizer_chars 1,000,000,000, the
+    train split, the text field, and no --max_tokens bound."""
+    calls = []
+    monkeypatch.setattr(prepare, "prepare", lambda *args: calls.append(args))
+    prepare.main(["--source", "corpus", "--data_dir", "out"])
+    [(source, out, vocab_size, tokenizer, text_field, shard_tokens, val_fraction, max_tokens,
+      tokenizer_chars, subset, split)] = calls
+    assert (val_fraction, tokenizer_chars, max_tokens) == (0.01, 1_000_000_000, None)
+    assert (text_field, split, subset, vocab_size) == ("text", "train", None, 32768)
+
+
 def test_hugging_face_subset_and_split_are_passed_through(tmp_path, monkeypatch):
     fake = fake_datasets([{"text": f"row {i}: the quick brown fox"} for i in range(6)])
     monkeypatch.setitem(sys.modules, "datasets", fake)
