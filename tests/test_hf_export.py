@@ -113,6 +113,37 @@ def test_wrong_exports_fail_the_logit_check(mistake, small_data_dir, tmp_path):
     assert (hf_logits(hf, ids) - stack_logits(model, ids)).abs().max() > 100 * TOLERANCE
 
 
+def test_without_remote_code_the_stacklm_folder_is_refused_not_run_as_qwen3(small_data_dir,
+                                                                          tmp_path):
+    model = stack_model(True, 2)  # QK-norm and NoPE layers: Stack-100M's shape
+    folder = hf_export.write(tmp_path / "hf", model.state_dict(), model.cfg,
+                             str(Path(small_data_dir) / "tokenizer.json"), 0, "x")
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False)
+
+
+def test_the_folder_holds_the_tied_embedding_once_and_the_config_readme_lists(small_data_dir,
+                                                                              tmp_path):
+    """model.safetensors: one tensor per Stack parameter, the head not written again;
+    config.json: rope_theta and rope_parameters (transformers 4.57 reads the first, 5 the
+    second), the EOS id as bos, eos and pad, and the code revision."""
+    from safetensors import safe_open
+    model = stack_model(True, 0)
+    eos_id = 7  # not 0, so a field left at a default shows
+    folder = hf_export.write(tmp_path / "hf", model.state_dict(), model.cfg,
+                             str(Path(small_data_dir) / "tokenizer.json"), eos_id, "abc123")
+    with safe_open(folder / "model.safetensors", "pt") as weights:
+        keys = set(weights.keys())
+        embedding = weights.get_tensor("model.embed_tokens.weight")
+    assert len(keys) == len(model.state_dict()) and not any("lm_head" in k for k in keys)
+    assert torch.equal(embedding, model.embed.weight)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["rope_theta"] == 500_000.0
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 500_000.0}
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (7, 7, 7)
+    assert config["stacklm_revision"] == "abc123"
+
+
 def test_train_export_format_hf_writes_the_checkpoint_as_a_transformers_folder(
         small_data_dir, tmp_path, capsys):
     cfg = micro_config(small_data_dir, str(tmp_path), stop_at_step=4,
