@@ -40,6 +40,12 @@ def trained_model(cfg, step: int) -> Transformer:
     return model.eval()
 
 
+def export(out_dir, *flags: str):
+    """The export command on out_dir's newest checkpoint (or --resume=PATH's), under the bare
+    `tiny` preset: every test of the command goes through here."""
+    train.cli(["--preset", "tiny", f"--out_dir={out_dir}", "--export", *flags])
+
+
 @pytest.fixture
 def trained(small_data_dir, tmp_path):
     """A micro run with non-default shape flags on a non-default data_dir (512-token
@@ -141,10 +147,11 @@ def test_a_damaged_checkpoint_is_one_line(trained, capsys, damage):
     assert err.startswith(f"error: {step8}")
 
 
-def test_the_revision_is_recorded_in_the_checkpoint_the_banner_and_the_export(trained,
-                                                                              capsys):
+def test_the_revision_is_recorded_in_the_checkpoint_the_banner_and_the_export(capsys,
+                                                                              trained):
     """In this git checkout, the revision is HEAD's sha (with -dirty for uncommitted
-    changes), read independently here with git itself."""
+    changes), read independently here with git itself. (capsys comes first, so it holds
+    what the trained fixture's run printed.)"""
     import subprocess
     def git(*args):
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
@@ -155,10 +162,30 @@ def test_the_revision_is_recorded_in_the_checkpoint_the_banner_and_the_export(tr
     state = json.loads((Path(trained.out_dir) / "ckpt" / "step_0000008" /
                         "train_state.json").read_text())
     assert state["revision"] == revision
-    train.cli(["--preset", "tiny", f"--out_dir={trained.out_dir}", "--export"])
+    assert f"\ncode: {revision}\n" in capsys.readouterr().out  # the start-up banner
+    export(trained.out_dir)
     provenance = json.loads((Path(trained.out_dir) / "export" / "provenance.json").read_text())
     assert provenance == {"checkpoint": str(Path(trained.out_dir) / "ckpt" / "step_0000008"),
                           "step": 8, "trained_by": revision, "exported_by": revision}
+
+
+def test_a_changed_tracked_file_marks_the_revision_dirty_and_an_untracked_one_does_not(
+        tmp_path):
+    """In a git repository of its own: a commit, then an untracked file (still clean), then
+    an uncommitted change to a tracked file (-dirty)."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t",
+                               "-c", "user.email=t@t", *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    shutil.copy(REPO / "log.py", tmp_path)
+    git("init", "-q")
+    git("add", "log.py")
+    git("commit", "-qm", "one")
+    head = git("rev-parse", "HEAD")
+    (tmp_path / "notes.txt").write_text("untracked")
+    assert train.log.code_revision(tmp_path) == head
+    (tmp_path / "log.py").write_text((tmp_path / "log.py").read_text() + "# changed\n")
+    assert train.log.code_revision(tmp_path) == f"{head}-dirty"
 
 
 def test_outside_a_git_checkout_the_revision_is_unknown(tmp_path):

@@ -162,3 +162,4 @@ def test_help_describes_every_option_with_its_default(capsys):
         described = text.split(option)[-1].split("--")[0]
         assert "(default:" in described and len(described.split()) > 3, option
     assert "(default: 50)" in text.split("--top_k")[-1]  # as the end-of-run sample
+    assert "(default: 0.8)" in text.split("--temperature")[-1]
