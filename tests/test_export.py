@@ -57,14 +57,14 @@ def trained(small_data_dir, tmp_path):
 
 
 def test_export_with_the_bare_preset_is_the_trained_model(trained, capsys):
-    train.cli(["--preset", "tiny", f"--out_dir={trained.out_dir}", "--export"])
-    export = Path(trained.out_dir) / "export"
-    assert json.loads((export / "config.json").read_text()) == \
+    export(trained.out_dir)
+    folder = Path(trained.out_dir) / "export"
+    assert json.loads((folder / "config.json").read_text()) == \
         json.loads(json.dumps(dataclasses.asdict(trained.model)))
-    assert (export / "tokenizer.json").read_bytes() == \
+    assert (folder / "tokenizer.json").read_bytes() == \
         (Path(trained.data_dir) / "tokenizer.json").read_bytes()
 
-    exported, tokenizer = sample.load_export(str(export))
+    exported, tokenizer = sample.load_export(str(folder))
     reference = trained_model(trained, 8)
     ids = [tokenizer.token_to_id("<|endoftext|>")] + tokenizer.encode("import json\n").ids * 4
     torch.testing.assert_close(logits(exported, ids), logits(reference, ids), rtol=0, atol=0)
@@ -77,7 +77,7 @@ def test_export_with_the_bare_preset_is_the_trained_model(trained, capsys):
     # sample.py's greedy completion, in a process of its own, is the trained model's
     want = sample.complete(reference, Tokenizer.from_file(str(Path(trained.data_dir) /
                            "tokenizer.json")), PROMPT, 16, temperature=0, top_k=None)
-    done = subprocess.run([sys.executable, "sample.py", "--export", str(export), "--prompt",
+    done = subprocess.run([sys.executable, "sample.py", "--export", str(folder), "--prompt",
                            PROMPT, "--max_new_tokens", "16", "--temperature", "0",
                            "--num_samples", "1"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
@@ -87,8 +87,7 @@ def test_export_with_the_bare_preset_is_the_trained_model(trained, capsys):
 
 def test_resume_path_exports_that_checkpoint(trained):
     step4 = Path(trained.out_dir) / "ckpt" / "step_0000004"
-    train.cli(["--preset", "tiny", f"--out_dir={trained.out_dir}", "--export",
-               f"--resume={step4}"])
+    export(trained.out_dir, f"--resume={step4}")
     exported = torch.load(Path(trained.out_dir) / "export" / "model.pt", weights_only=True)
     want = checkpoint_weights(trained, 4)
     assert exported.keys() == want.keys()
@@ -110,8 +109,7 @@ def test_a_model_flag_that_disagrees_with_the_checkpoint_is_refused(trained, cap
 
 
 def test_a_model_flag_that_agrees_is_accepted(trained):
-    train.cli(["--preset", "tiny", f"--out_dir={trained.out_dir}", "--export",
-               "--model.rope_theta=500000"])
+    export(trained.out_dir, "--model.rope_theta=500000")
     assert (Path(trained.out_dir) / "export" / "model.pt").is_file()
 
 
@@ -124,8 +122,7 @@ def test_a_re_prepared_data_dir_cannot_slip_in_another_tokenizer(trained, prepar
     assert f"{data_dir / 'tokenizer.json'} is not the tokenizer" in err
     assert "--data_dir=" in err
     # the fix the message names: point --data_dir at the original data
-    train.cli(["--preset", "tiny", f"--out_dir={trained.out_dir}", "--export",
-               f"--data_dir={original}"])
+    export(trained.out_dir, f"--data_dir={original}")
     assert (Path(trained.out_dir) / "export" / "tokenizer.json").read_bytes() == \
         (original / "tokenizer.json").read_bytes()
 
