@@ -74,6 +74,19 @@ def hand_made_log(out_dir: Path, losses: list, val_loss: float = 4.2, last_step:
     (out_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
 
 
+def write_log(out_dir: Path, lines: list[dict]):
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def train_record(step: int, loss: float, tokens_per_s: float = 1000.0, mfu=None,
+                 elapsed_s: float = 0.0, memory_gib: float = 1.0) -> dict:
+    """A train record as log.py writes it, at 100 tokens per step, for a hand-made log."""
+    return {"kind": "train", "step": step, "loss": loss, "grad_norm": 1.0, "lr_muon": 1e-3,
+            "tokens_seen": step * 100, "tokens_per_s": tokens_per_s, "mfu": mfu,
+            "memory_gib": memory_gib, "elapsed_s": elapsed_s}
+
+
 def run_report(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "report.py", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
@@ -286,9 +299,105 @@ def test_a_cut_last_line_is_left_out_with_one_warning(tmp_path):
                           f"short by a kill -9?); reported without it\n")
     facts = table((tmp_path / "report.md").read_text())
     assert facts["train loss, step 300"] == "4.0000"
-    # then the line on the reference seeds: this hand-made log is the tiny preset, unchanged
-    assert out.stdout.splitlines()[0] == f"report: {tmp_path / 'report.md'} and " \
-                                         f"{tmp_path / 'report.png'}"
+    # then, last, the line on the reference seeds (README's spread): this hand-made log is
+    # the tiny preset, unchanged, finished
+    assert out.stdout.splitlines() == [
+        f"report: {tmp_path / 'report.md'} and {tmp_path / 'report.png'}",
+        "reference: final val loss 4.2000 is outside the reference seeds' spread "
+        "(4.2182–4.2424, 3 seeds): 0.0182 below it"]
+
+
+def test_a_step_logged_twice_counts_once_as_its_last_record(tmp_path):
+    """A kill -9 and a resume, by hand. The first start logs steps 1-6, evaluates at 0, 4
+    and 6, checkpoints at 4, and is killed. The second resumes from step 4 with a source
+    added, so it evaluates step 4 again, now with both sources (the mixture's value differs
+    too), then trains 5-8. Each step counts once, as its last record: step 4's evaluation is
+    the second start's, steps 5 and 6 are the second start's, and the evaluation at 6 is
+    gone (no checkpoint kept it)."""
+    cfg = {"stop_at_step": 8, "data_dir": "a,b"}
+    resumed = start_record(step=4, tokens_seen=400, **cfg) | {
+        "resumed_from": str(tmp_path / "ckpt" / "step_0000004"),
+        "resume_changes": [["data_dir", "a", "a,b"]]}
+    write_log(tmp_path, [
+        start_record(**cfg | {"data_dir": "a"}),
+        {"kind": "eval", "step": 0, "tokens_seen": 0, "val_loss": 5.5, "val_bpb": 2.5},
+        *(train_record(s, loss) for s, loss in zip(range(1, 5), (5.0, 4.8, 4.6, 4.4))),
+        {"kind": "eval", "step": 4, "tokens_seen": 400, "val_loss": 4.5, "val_bpb": 2.0},
+        {"kind": "checkpoint", "step": 4, "seconds": 0.1},
+        train_record(5, 9.5), train_record(6, 9.6),
+        {"kind": "eval", "step": 6, "tokens_seen": 600, "val_loss": 9.9, "val_bpb": 4.0},
+        resumed,  # killed above: no end record
+        {"kind": "eval", "step": 4, "tokens_seen": 400, "val_loss": 4.3, "val_bpb": 1.9,
+         "val_loss/a": 4.2, "val_loss/b": 4.6},
+        *(train_record(s, loss) for s, loss in zip(range(5, 9), (4.2, 4.1, 4.0, 3.9))),
+        {"kind": "eval", "step": 8, "tokens_seen": 800, "val_loss": 3.8, "val_bpb": 1.7,
+         "val_loss/a": 3.7, "val_loss/b": 4.1},
+        {"kind": "checkpoint", "step": 8, "seconds": 0.1},
+        {"kind": "end", "step": 8, "outcome": "finished", "error": None, "elapsed_s": 8.0}])
+    run = report.read_run(tmp_path)
+    assert [(r["step"], r["loss"]) for r in run.rows("train")] == [
+        (1, 5.0), (2, 4.8), (3, 4.6), (4, 4.4), (5, 4.2), (6, 4.1), (7, 4.0), (8, 3.9)]
+    assert [(r["step"], r["val_loss"]) for r in run.rows("eval")] == [(0, 5.5), (4, 4.3),
+                                                                      (8, 3.8)]
+    fig = report.draw([run])
+    [val] = series(fig, "val loss", "val loss")
+    assert list(val.get_xdata()) == [0, 400, 800] and list(val.get_ydata()) == [5.5, 4.3, 3.8]
+    [added] = series(fig, "val loss/b", "val loss")  # the new source's curve has a before
+    assert list(added.get_xdata()) == [400, 800] and list(added.get_ydata()) == [4.6, 4.1]
+    report.write([tmp_path])
+    text = (tmp_path / "report.md").read_text()
+    assert "| data_dir \"a\" → \"a,b\" | finished at step 8 |" in text
+    assert "| — | no end record (killed?) |" in text
+    assert table(text)["checkpoints written"] == "2 (steps 4, 8)"
+
+
+def test_the_results_of_a_log_of_two_starts_by_hand(tmp_path):
+    """Two starts, logged every 2 steps at 100 tokens per step. Each start's first interval
+    is slow (compilation) and left out of tokens/s and MFU: the rest are 0.2 s each at
+    1,000 tokens/s and 40% MFU, then 0.1 s each at 2,000 and 50%, so the means weighted by
+    time are 1,333 tokens/s and 43.3%. Wall time adds each start's own clock (30 s + 20 s);
+    the peak memory is the largest logged; the skipped step is counted and marked in red."""
+    cfg = {"stop_at_step": 12}
+    write_log(tmp_path, [
+        start_record(**cfg),
+        train_record(2, 5.0, tokens_per_s=10.0, mfu=0.01, elapsed_s=20.0),
+        train_record(4, 4.8, tokens_per_s=1000.0, mfu=0.4, elapsed_s=25.0, memory_gib=3.5),
+        train_record(6, 4.6, tokens_per_s=1000.0, mfu=0.4, elapsed_s=30.0),
+        {"kind": "checkpoint", "step": 6, "seconds": 0.1},
+        {"kind": "end", "step": 6, "outcome": "stopped", "error": None, "elapsed_s": 30.0},
+        start_record(step=6, tokens_seen=600, **cfg),
+        train_record(8, 4.4, tokens_per_s=10.0, mfu=0.01, elapsed_s=15.0),
+        {"kind": "skip", "step": 9, "loss": None, "grad_norm": None},
+        train_record(10, 4.2, tokens_per_s=2000.0, mfu=0.5, elapsed_s=18.0, memory_gib=2.0),
+        train_record(12, 4.0, tokens_per_s=2000.0, mfu=0.5, elapsed_s=20.0),
+        {"kind": "eval", "step": 12, "tokens_seen": 1200, "val_loss": 4.1, "val_bpb": 1.75},
+        {"kind": "end", "step": 12, "outcome": "finished", "error": None, "elapsed_s": 20.0}])
+    report.write([tmp_path])
+    facts = table((tmp_path / "report.md").read_text())
+    assert facts["outcome"] == "finished at step 12 of 12"
+    assert facts["train loss, step 12"] == "4.0000"
+    assert (facts["val loss, step 12"], facts["val bits per byte"]) == ("4.1000", "1.7500")
+    assert facts["tokens seen"] == "1,200"
+    assert facts["tokens/s"] == "1,333, mean over the log intervals, the first of each start left out"
+    assert facts["MFU"] == "43.3% (causal FLOPs)"
+    assert facts["wall time"].startswith("0m50s over 2 starts")
+    assert facts["peak memory"] == "3.50 GiB"
+    assert facts["skipped steps"] == "1"
+    [marks] = series(report.draw([report.read_run(tmp_path)]), "skipped", "gradient norm")
+    assert list(marks.get_xdata()) == [900] and marks.get_color() == "red"
+
+
+def test_the_smoothed_train_loss_is_a_debiased_average_over_a_40th_of_the_points(tmp_path):
+    """400 noisy points: the smoothed curve is, at each point, the average of the points so
+    far weighted by beta^age, beta = 1 - 1/(400/40), divided by the sum of those weights
+    (debiased: no pull toward 0 at the start). Written out in closed form here."""
+    losses = list(5 - np.linspace(0, 2, 400) + np.random.default_rng(0).normal(0, 0.3, 400))
+    hand_made_log(tmp_path, losses, last_step=400)
+    [smooth] = series(report.draw([report.read_run(tmp_path)]), "train loss smoothed")
+    beta, y = 0.9, np.array(losses)
+    age = np.arange(400)[:, None] - np.arange(400)[None, :]
+    weights = np.where(age >= 0, beta ** np.maximum(age, 0), 0.0)
+    assert np.allclose(smooth.get_ydata(), weights @ y / weights.sum(axis=1), rtol=1e-12)
 
 
 def test_a_folder_without_metrics_is_one_line_and_a_failure(tmp_path):
