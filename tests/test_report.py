@@ -134,6 +134,16 @@ def test_a_run_draws_its_log_and_states_its_numbers(small_data_dir, tmp_path):
     assert f"```text\n{records(tmp_path, 'sample')[0]['text']}\n```" in text
     [start] = records(tmp_path, "start")
     assert start["preset"] == "stack100m"  # the nearest: micro_config differs from both
+    # the start: this checkout's commit, one CPU process in fp32, WSD's phases, no resume
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True).stdout.strip()
+    assert start["revision"] in (head, f"{head}-dirty")
+    assert start["phases"] == {"warmup_steps": 2, "stable_steps": 4, "decay_steps": 2,
+                               "decay_start": 6}
+    assert (start["resumed_from"], start["resume_changes"]) == (None, [])
+    assert re.search(rf"^\| 0 \| {re.escape(start['time'])} \| {head[:12]} \| 1 × .* \(one "
+                     rf"process, precision no, torch {re.escape(torch.__version__)}\) \| — \| "
+                     rf"finished at step 8 \|$", text, re.M)
     assert "## Config: the differences from the preset stack100m" in text
     assert "| model.d_model | 512 | 64 |" in text and "| seed |" not in text
 
@@ -259,6 +269,18 @@ def test_a_stopped_or_failed_run_waits_for_its_final_report(tmp_path, monkeypatc
     assert (end["step"], end["outcome"]) == (3, ending)
 
 
+def test_a_checkpoint_starts_no_second_report_while_one_draws(tmp_path, monkeypatch):
+    """Checkpoints at steps 2 and 3, the second while the first's report (0.3 s) still
+    draws: one report for both, then the final one."""
+    calls = fake_report(tmp_path, monkeypatch)
+    cfg = micro_config("unused", str(tmp_path / "run"), write_report=True)
+    with log.MetricsLogger(cfg, True, torch.device("cpu"), 1, {"causal": 1.0, "palm": 1.0},
+                           start_step=0) as logger:
+        logger.log_checkpoint(2, seconds=0.1)
+        logger.log_checkpoint(3, seconds=0.1)
+    assert [note["args"] for note in notes(calls)] == [["--quiet"], []]
+
+
 def test_a_stop_waits_for_the_report_only_so_long(tmp_path, monkeypatch, capsys):
     """A report that hangs is waited for STOP_REPORT_WAIT_S after a stop, then left to
     finish in the background, with one line on how to draw it again: a SIGTERM stop is
@@ -346,8 +368,9 @@ def test_a_step_logged_twice_counts_once_as_its_last_record(tmp_path):
     assert list(added.get_xdata()) == [400, 800] and list(added.get_ydata()) == [4.6, 4.1]
     report.write([tmp_path])
     text = (tmp_path / "report.md").read_text()
-    assert "| data_dir \"a\" → \"a,b\" | finished at step 8 |" in text
-    assert "| — | no end record (killed?) |" in text
+    hardware = "1 × cpu (one process, precision no, torch ?)"  # as start_record has it
+    assert f"| 0 | t | abc | {hardware} | — | no end record (killed?) |" in text
+    assert f'| 4 | t | abc | {hardware} | data_dir "a" → "a,b" | finished at step 8 |' in text
     assert table(text)["checkpoints written"] == "2 (steps 4, 8)"
 
 
