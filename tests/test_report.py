@@ -151,10 +151,11 @@ def test_a_run_draws_its_log_and_states_its_numbers(small_data_dir, tmp_path):
 def test_a_resumed_run_after_a_kill_covers_the_whole_run(small_data_dir, tmp_path):
     """The first part stops at step 4. Then a kill -9 is simulated: what a run killed at
     step 6 leaves, a train record of step 5, an evaluation at step 6, and a last line cut
-    mid-write. The resumed run logs steps 5-8 from the checkpoint of step 4 (it evaluates at
-    8 only): the report shows steps 1-8 once each, the resumed run's step 5, no evaluation
-    at 6 (undone by the resume at 4), the resume marked at step 4 with the knob it changed,
-    and one warning for the cut line."""
+    mid-write. The resumed run logs steps 5-8 from the checkpoint of step 4 (it evaluates
+    step 4 again, from the same weights, to the same value, and step 8): the report shows
+    steps 1-8 once each, the resumed run's step 5, no evaluation at 6 (undone by the resume
+    at 4), the resume marked at step 4 with the knob it changed, and one warning for the
+    cut line. (A step logged twice with different records: test_a_step_logged_twice_….)"""
     first = micro_config(small_data_dir, str(tmp_path), stop_at_step=4, write_report=True)
     train.main(first)
     with open(tmp_path / "metrics.jsonl", "a") as f:
