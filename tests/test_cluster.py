@@ -5,6 +5,7 @@ with each key of an accelerate launch config (read through accelerate's own laun
 
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import time
@@ -175,6 +176,90 @@ def test_slurm_script_on_two_nodes_saves_on_sigterm_requeues_and_resumes_exactly
     assert outcome(tmp_path / f"stacklm-{JOB_ID}.node0") == ("finished", 120)
     assert (tmp_path / "stubs.log").read_text().count("requeue") == 1  # finished: no requeue
     assert_resumed_exactly(cfg, straight, stopped_at)
+
+
+# accelerate on one "node", for the tests of the script's own logic: it keeps its arguments
+# (NUL-separated) and the environment the script gave it, records the ending STUB_ENDING
+# names where STACKLM_OUTCOME says ("crashed": none), and exits 1, as torch's elastic agent
+# does after a SIGTERM however the ranks ended. No training: each test takes seconds.
+ACCELERATE = """#!/bin/bash
+printf '%s\\0' "$@" > "$TMPDIR/accelerate.args$SLURM_NODEID"
+echo "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT $STACKLM_OUTCOME" > "$TMPDIR/accelerate.env$SLURM_NODEID"
+[[ $STUB_ENDING == crashed ]] || echo "$STUB_ENDING 7" > "$STACKLM_OUTCOME"
+exit 1
+"""
+
+
+def stub_nodes(tmp_path: Path, nodes: int, ending: str, gpus: int = 1) -> dict:
+    """slurm_env, with the stub accelerate on PATH too, ending its run as `ending` says."""
+    env = slurm_env(tmp_path, nodes)
+    (tmp_path / "bin" / "accelerate").write_text(ACCELERATE)
+    (tmp_path / "bin" / "accelerate").chmod(0o755)
+    return env | {"STUB_ENDING": ending, "SLURM_GPUS_ON_NODE": str(gpus)}
+
+
+def requeues(tmp_path: Path) -> list[str]:
+    log_file = tmp_path / "stubs.log"
+    return [line for line in log_file.read_text().splitlines()
+            if line.startswith("requeue")] if log_file.exists() else []
+
+
+@pytest.mark.parametrize("ending, exit_status, requeued", [
+    ("crashed", 1, False), ("stopped", 0, True), ("finished", 0, False)])
+def test_slurm_script_requeues_only_a_stop_this_attempt_recorded(tmp_path, ending, exit_status,
+                                                                 requeued):
+    """An earlier attempt of the same job (same job id, same node-local TMPDIR) left
+    "stopped 3" on both nodes. This attempt's launcher exits 1 each time, as the elastic agent
+    does: after a crash that recorded nothing the job fails and is not requeued (the old
+    record must not speak for it); after a recorded stop the script exits 0 and requeues;
+    after a recorded finish it exits 0 and does not."""
+    env = stub_nodes(tmp_path, nodes=2, ending=ending)
+    records = [tmp_path / f"stacklm-{JOB_ID}.node{node}" for node in (0, 1)]
+    for record in records:
+        record.write_text("stopped 3\n")
+    done = subprocess.run(["bash", "accelerate_configs/slurm_fsdp2.sh", "--preset=tiny"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == exit_status, done.stdout + done.stderr
+    assert requeues(tmp_path) == ([f"requeue {JOB_ID}"] if requeued else [])
+    if ending == "crashed":
+        assert not any(record.exists() for record in records)  # cleared before the launch
+    else:
+        assert [outcome(record) for record in records] == [(ending, 7)] * 2
+
+
+def test_slurm_script_launches_each_node_at_the_first_nodes_rendezvous(tmp_path):
+    """2 nodes × 4 GPUs: each node's one `accelerate launch` starts 4 of the 8 ranks as
+    machine k of 2, meeting at the allocation's first host, with the micro-batch config.py
+    derived for 8 ranks (Stack-100M: 32) after the caller's flags. The elastic agent waits
+    240 s for the ranks, inside the 300 s --signal gives before the limit; each node's first
+    rank records in a file of its own node."""
+    env = stub_nodes(tmp_path, nodes=2, ending="finished", gpus=4)
+    done = subprocess.run(["bash", "accelerate_configs/slurm_fsdp2.sh", "--seed=7"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 nodes x 4 GPUs, micro-batch 32" in done.stdout
+    header = (REPO / "accelerate_configs" / "slurm_fsdp2.sh").read_text()
+    [lead] = re.findall(r"^#SBATCH --signal=TERM@(\d+)$", header, re.M)
+    for node in (0, 1):
+        args = (tmp_path / f"accelerate.args{node}").read_text().split("\0")[:-1]
+        assert args == ["launch", "--config_file", "accelerate_configs/fsdp2_multinode.yaml",
+                        "--num_machines", "2", "--num_processes", "8", "--machine_rank",
+                        str(node), "--main_process_ip", "127.0.0.1", "--main_process_port",
+                        env["MASTER_PORT"], "train.py", "--preset=stack100m", "--seed=7",
+                        "--micro_batch_size=32"]
+        timeout, record = (tmp_path / f"accelerate.env{node}").read_text().split()
+        assert int(timeout) == 240 < int(lead) == 300
+        assert record == str(tmp_path / f"stacklm-{JOB_ID}.node{node}")
+
+
+def test_slurm_script_refuses_to_start_outside_the_repository(tmp_path):
+    env = slurm_env(tmp_path, nodes=1) | {"SLURM_SUBMIT_DIR": str(tmp_path)}
+    done = subprocess.run(["bash", str(REPO / "accelerate_configs" / "slurm_fsdp2.sh")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr == (f"slurm_fsdp2.sh: no train.py in {tmp_path}; submit from the "
+                           f"stacklm repository root\n")
+    assert not (tmp_path / "srun.args").exists()
 
 
 @pytest.mark.parametrize("nodes", [3, 64])

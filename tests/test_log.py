@@ -3,12 +3,16 @@
 import dataclasses
 import io
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 import config
 import log
+import optim
+import train
 from model import Transformer
 
 
@@ -61,6 +65,26 @@ def test_memory_estimate_counts_optimizer_state_and_recomputed_blocks():
     assert full["activations"] == pytest.approx((30 * block_input + block) / gib)
     assert plain["activations"] == pytest.approx(30 * block / gib)
 
+
+def test_readmes_memory_table_is_the_banners_estimate():
+    """README's overrides per GPU memory quote the start-up banner's estimate for Stack-100M
+    on one bf16 GPU (per rank, unsharded: DDP's too), to the digits shown; "none" is the
+    preset itself, micro-batch 32 without recomputation."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("| GPU memory | overrides | estimate |", 1)[1].split("\n\n", 1)[0]
+    rows = re.findall(r"^\| [^|]+ \| (.+?) \| ([\d.]+) GiB \|$", section, re.M)
+    assert len(rows) == 3 and rows[0][0] == "none (micro 32, no recomputation)"
+    preset = config.stack100m()
+    assert (preset.micro_batch_size, preset.activation_recompute) == (32, "none")
+    hardware = log.Hardware(1, "cuda:0", "NO", "bf16", True, "NVIDIA H100")
+    for overrides, quoted in rows:
+        cfg = config.apply_overrides(preset, dict(re.findall(r"--([\w.]+)=([\w-]+)", overrides)))
+        with torch.device("meta"):  # the shapes alone: no memory, no time
+            model = Transformer(cfg.model)
+        text = train.banner(cfg, hardware, model, optim.build_optimizers(model, cfg), [], "abc")
+        [total] = re.findall(r"^memory estimate per rank: .* = ([\d.]+) GiB", text, re.M)
+        digits = len(quoted.partition(".")[2])
+        assert f"{float(total):.{digits}f}" == quoted, overrides
 
 def test_log_line_labels_each_learning_rate(tmp_path, monkeypatch):
     """The rates are labelled by optimizer, in the order given, and the metrics record

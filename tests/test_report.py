@@ -74,6 +74,19 @@ def hand_made_log(out_dir: Path, losses: list, val_loss: float = 4.2, last_step:
     (out_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
 
 
+def write_log(out_dir: Path, lines: list[dict]):
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def train_record(step: int, loss: float, tokens_per_s: float = 1000.0, mfu=None,
+                 elapsed_s: float = 0.0, memory_gib: float = 1.0) -> dict:
+    """A train record as log.py writes it, at 100 tokens per step, for a hand-made log."""
+    return {"kind": "train", "step": step, "loss": loss, "grad_norm": 1.0, "lr_muon": 1e-3,
+            "tokens_seen": step * 100, "tokens_per_s": tokens_per_s, "mfu": mfu,
+            "memory_gib": memory_gib, "elapsed_s": elapsed_s}
+
+
 def run_report(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "report.py", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
@@ -121,6 +134,16 @@ def test_a_run_draws_its_log_and_states_its_numbers(small_data_dir, tmp_path):
     assert f"```text\n{records(tmp_path, 'sample')[0]['text']}\n```" in text
     [start] = records(tmp_path, "start")
     assert start["preset"] == "stack100m"  # the nearest: micro_config differs from both
+    # the start: this checkout's commit, one CPU process in fp32, WSD's phases, no resume
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True).stdout.strip()
+    assert start["revision"] in (head, f"{head}-dirty")
+    assert start["phases"] == {"warmup_steps": 2, "stable_steps": 4, "decay_steps": 2,
+                               "decay_start": 6}
+    assert (start["resumed_from"], start["resume_changes"]) == (None, [])
+    assert re.search(rf"^\| 0 \| {re.escape(start['time'])} \| {head[:12]} \| 1 × .* \(one "
+                     rf"process, precision no, torch {re.escape(torch.__version__)}\) \| — \| "
+                     rf"finished at step 8 \|$", text, re.M)
     assert "## Config: the differences from the preset stack100m" in text
     assert "| model.d_model | 512 | 64 |" in text and "| seed |" not in text
 
@@ -128,10 +151,11 @@ def test_a_run_draws_its_log_and_states_its_numbers(small_data_dir, tmp_path):
 def test_a_resumed_run_after_a_kill_covers_the_whole_run(small_data_dir, tmp_path):
     """The first part stops at step 4. Then a kill -9 is simulated: what a run killed at
     step 6 leaves, a train record of step 5, an evaluation at step 6, and a last line cut
-    mid-write. The resumed run logs steps 5-8 from the checkpoint of step 4 (it evaluates at
-    8 only): the report shows steps 1-8 once each, the resumed run's step 5, no evaluation
-    at 6 (undone by the resume at 4), the resume marked at step 4 with the knob it changed,
-    and one warning for the cut line."""
+    mid-write. The resumed run logs steps 5-8 from the checkpoint of step 4 (it evaluates
+    step 4 again, from the same weights, to the same value, and step 8): the report shows
+    steps 1-8 once each, the resumed run's step 5, no evaluation at 6 (undone by the resume
+    at 4), the resume marked at step 4 with the knob it changed, and one warning for the
+    cut line. (A step logged twice with different records: test_a_step_logged_twice_….)"""
     first = micro_config(small_data_dir, str(tmp_path), stop_at_step=4, write_report=True)
     train.main(first)
     with open(tmp_path / "metrics.jsonl", "a") as f:
@@ -246,6 +270,18 @@ def test_a_stopped_or_failed_run_waits_for_its_final_report(tmp_path, monkeypatc
     assert (end["step"], end["outcome"]) == (3, ending)
 
 
+def test_a_checkpoint_starts_no_second_report_while_one_draws(tmp_path, monkeypatch):
+    """Checkpoints at steps 2 and 3, the second while the first's report (0.3 s) still
+    draws: one report for both, then the final one."""
+    calls = fake_report(tmp_path, monkeypatch)
+    cfg = micro_config("unused", str(tmp_path / "run"), write_report=True)
+    with log.MetricsLogger(cfg, True, torch.device("cpu"), 1, {"causal": 1.0, "palm": 1.0},
+                           start_step=0) as logger:
+        logger.log_checkpoint(2, seconds=0.1)
+        logger.log_checkpoint(3, seconds=0.1)
+    assert [note["args"] for note in notes(calls)] == [["--quiet"], []]
+
+
 def test_a_stop_waits_for_the_report_only_so_long(tmp_path, monkeypatch, capsys):
     """A report that hangs is waited for STOP_REPORT_WAIT_S after a stop, then left to
     finish in the background, with one line on how to draw it again: a SIGTERM stop is
@@ -286,9 +322,106 @@ def test_a_cut_last_line_is_left_out_with_one_warning(tmp_path):
                           f"short by a kill -9?); reported without it\n")
     facts = table((tmp_path / "report.md").read_text())
     assert facts["train loss, step 300"] == "4.0000"
-    # then the line on the reference seeds: this hand-made log is the tiny preset, unchanged
-    assert out.stdout.splitlines()[0] == f"report: {tmp_path / 'report.md'} and " \
-                                         f"{tmp_path / 'report.png'}"
+    # then, last, the line on the reference seeds (README's spread): this hand-made log is
+    # the tiny preset, unchanged, finished
+    assert out.stdout.splitlines() == [
+        f"report: {tmp_path / 'report.md'} and {tmp_path / 'report.png'}",
+        "reference: final val loss 4.2000 is outside the reference seeds' spread "
+        "(4.2182–4.2424, 3 seeds): 0.0182 below it"]
+
+
+def test_a_step_logged_twice_counts_once_as_its_last_record(tmp_path):
+    """A kill -9 and a resume, by hand. The first start logs steps 1-6, evaluates at 0, 4
+    and 6, checkpoints at 4, and is killed. The second resumes from step 4 with a source
+    added, so it evaluates step 4 again, now with both sources (the mixture's value differs
+    too), then trains 5-8. Each step counts once, as its last record: step 4's evaluation is
+    the second start's, steps 5 and 6 are the second start's, and the evaluation at 6 is
+    gone (no checkpoint kept it)."""
+    cfg = {"stop_at_step": 8, "data_dir": "a,b"}
+    resumed = start_record(step=4, tokens_seen=400, **cfg) | {
+        "resumed_from": str(tmp_path / "ckpt" / "step_0000004"),
+        "resume_changes": [["data_dir", "a", "a,b"]]}
+    write_log(tmp_path, [
+        start_record(**cfg | {"data_dir": "a"}),
+        {"kind": "eval", "step": 0, "tokens_seen": 0, "val_loss": 5.5, "val_bpb": 2.5},
+        *(train_record(s, loss) for s, loss in zip(range(1, 5), (5.0, 4.8, 4.6, 4.4))),
+        {"kind": "eval", "step": 4, "tokens_seen": 400, "val_loss": 4.5, "val_bpb": 2.0},
+        {"kind": "checkpoint", "step": 4, "seconds": 0.1},
+        train_record(5, 9.5), train_record(6, 9.6),
+        {"kind": "eval", "step": 6, "tokens_seen": 600, "val_loss": 9.9, "val_bpb": 4.0},
+        resumed,  # killed above: no end record
+        {"kind": "eval", "step": 4, "tokens_seen": 400, "val_loss": 4.3, "val_bpb": 1.9,
+         "val_loss/a": 4.2, "val_loss/b": 4.6},
+        *(train_record(s, loss) for s, loss in zip(range(5, 9), (4.2, 4.1, 4.0, 3.9))),
+        {"kind": "eval", "step": 8, "tokens_seen": 800, "val_loss": 3.8, "val_bpb": 1.7,
+         "val_loss/a": 3.7, "val_loss/b": 4.1},
+        {"kind": "checkpoint", "step": 8, "seconds": 0.1},
+        {"kind": "end", "step": 8, "outcome": "finished", "error": None, "elapsed_s": 8.0}])
+    run = report.read_run(tmp_path)
+    assert [(r["step"], r["loss"]) for r in run.rows("train")] == [
+        (1, 5.0), (2, 4.8), (3, 4.6), (4, 4.4), (5, 4.2), (6, 4.1), (7, 4.0), (8, 3.9)]
+    assert [(r["step"], r["val_loss"]) for r in run.rows("eval")] == [(0, 5.5), (4, 4.3),
+                                                                      (8, 3.8)]
+    fig = report.draw([run])
+    [val] = series(fig, "val loss", "val loss")
+    assert list(val.get_xdata()) == [0, 400, 800] and list(val.get_ydata()) == [5.5, 4.3, 3.8]
+    [added] = series(fig, "val loss/b", "val loss")  # the new source's curve has a before
+    assert list(added.get_xdata()) == [400, 800] and list(added.get_ydata()) == [4.6, 4.1]
+    report.write([tmp_path])
+    text = (tmp_path / "report.md").read_text()
+    hardware = "1 × cpu (one process, precision no, torch ?)"  # as start_record has it
+    assert f"| 0 | t | abc | {hardware} | — | no end record (killed?) |" in text
+    assert f'| 4 | t | abc | {hardware} | data_dir "a" → "a,b" | finished at step 8 |' in text
+    assert table(text)["checkpoints written"] == "2 (steps 4, 8)"
+
+
+def test_the_results_of_a_log_of_two_starts_by_hand(tmp_path):
+    """Two starts, logged every 2 steps at 100 tokens per step. Each start's first interval
+    is slow (compilation) and left out of tokens/s and MFU: the rest are 0.2 s each at
+    1,000 tokens/s and 40% MFU, then 0.1 s each at 2,000 and 50%, so the means weighted by
+    time are 1,333 tokens/s and 43.3%. Wall time adds each start's own clock (30 s + 20 s);
+    the peak memory is the largest logged; the skipped step is counted and marked in red."""
+    cfg = {"stop_at_step": 12}
+    write_log(tmp_path, [
+        start_record(**cfg),
+        train_record(2, 5.0, tokens_per_s=10.0, mfu=0.01, elapsed_s=20.0),
+        train_record(4, 4.8, tokens_per_s=1000.0, mfu=0.4, elapsed_s=25.0, memory_gib=3.5),
+        train_record(6, 4.6, tokens_per_s=1000.0, mfu=0.4, elapsed_s=30.0),
+        {"kind": "checkpoint", "step": 6, "seconds": 0.1},
+        {"kind": "end", "step": 6, "outcome": "stopped", "error": None, "elapsed_s": 30.0},
+        start_record(step=6, tokens_seen=600, **cfg),
+        train_record(8, 4.4, tokens_per_s=10.0, mfu=0.01, elapsed_s=15.0),
+        {"kind": "skip", "step": 9, "loss": None, "grad_norm": None},
+        train_record(10, 4.2, tokens_per_s=2000.0, mfu=0.5, elapsed_s=18.0, memory_gib=2.0),
+        train_record(12, 4.0, tokens_per_s=2000.0, mfu=0.5, elapsed_s=20.0),
+        {"kind": "eval", "step": 12, "tokens_seen": 1200, "val_loss": 4.1, "val_bpb": 1.75},
+        {"kind": "end", "step": 12, "outcome": "finished", "error": None, "elapsed_s": 20.0}])
+    report.write([tmp_path])
+    facts = table((tmp_path / "report.md").read_text())
+    assert facts["outcome"] == "finished at step 12 of 12"
+    assert facts["train loss, step 12"] == "4.0000"
+    assert (facts["val loss, step 12"], facts["val bits per byte"]) == ("4.1000", "1.7500")
+    assert facts["tokens seen"] == "1,200"
+    assert facts["tokens/s"] == "1,333, mean over the log intervals, the first of each start left out"
+    assert facts["MFU"] == "43.3% (causal FLOPs)"
+    assert facts["wall time"].startswith("0m50s over 2 starts")
+    assert facts["peak memory"] == "3.50 GiB"
+    assert facts["skipped steps"] == "1"
+    [marks] = series(report.draw([report.read_run(tmp_path)]), "skipped", "gradient norm")
+    assert list(marks.get_xdata()) == [900] and marks.get_color() == "red"
+
+
+def test_the_smoothed_train_loss_is_a_debiased_average_over_a_40th_of_the_points(tmp_path):
+    """400 noisy points: the smoothed curve is, at each point, the average of the points so
+    far weighted by beta^age, beta = 1 - 1/(400/40), divided by the sum of those weights
+    (debiased: no pull toward 0 at the start). Written out in closed form here."""
+    losses = list(5 - np.linspace(0, 2, 400) + np.random.default_rng(0).normal(0, 0.3, 400))
+    hand_made_log(tmp_path, losses, last_step=400)
+    [smooth] = series(report.draw([report.read_run(tmp_path)]), "train loss smoothed")
+    beta, y = 0.9, np.array(losses)
+    age = np.arange(400)[:, None] - np.arange(400)[None, :]
+    weights = np.where(age >= 0, beta ** np.maximum(age, 0), 0.0)
+    assert np.allclose(smooth.get_ydata(), weights @ y / weights.sum(axis=1), rtol=1e-12)
 
 
 def test_a_folder_without_metrics_is_one_line_and_a_failure(tmp_path):
