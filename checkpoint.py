@@ -1,4 +1,5 @@
-"""Checkpoints: save and resume a run exactly, on any number of ranks; export the weights.
+"""Checkpoints: save and resume a run exactly, on any number of ranks; read a checkpoint's
+weights back (for export.py).
 
     out_dir/ckpt/step_0001000/        one training checkpoint
         .metadata, __0_0.distcp, …    the model and both optimizers, a torch.distributed.checkpoint
@@ -7,16 +8,16 @@
         train_state.json              step, tokens seen, the loader's cursor, the config, hashes,
                                       the code revision
         rng_rank<r>.pt                every random generator of rank r
-    out_dir/export/                   model.pt + config.json + tokenizer.json, for sample.py,
-                                      and provenance.json (checkpoint, step, code revision)
 
 A checkpoint is written into `step_XXXXXXX.tmp` and renamed when every rank is done, so a
 crash mid-write leaves the previous checkpoint as the newest complete one; only complete
 folders (a bare `step_` + digits name holding train_state.json) are ever resumed from.
 Nothing here runs code from a checkpoint: tensors and RNG states are read with
 torch.load(weights_only=True), and DCP's pickled `.metadata` through an allowlist.
-`StopFlag` turns a preemption's SIGTERM into "finish the step, save, exit 0", and
-`record_outcome` tells a launch script that it did (a launcher cannot).
+`resume` picks the checkpoint a run continues, setting damaged ones aside; `read_train_state`
+reads any format this trainer has written. `StopFlag` turns a preemption's SIGTERM into
+"finish the step, save, exit 0", and `record_outcome` tells a launch script that it did (a
+launcher cannot). export.py turns a checkpoint into files other programs load.
 
 Imports from stacklm: nothing. It takes a model, optimizers and plain values.
 """
@@ -133,6 +134,44 @@ def resume_candidates(out_dir, resume: str) -> list[Path]:
     return complete_checkpoints(out_dir)[::-1] if resume == "auto" else [find(out_dir, resume)]
 
 
+def resume(accelerator, candidates: list[Path], load, setting: str, out_dir) -> str | None:
+    """Continue from the first of `candidates` (resume_candidates) that `load(path)` reads,
+    and return its absolute path (None: a fresh start). A damaged one is renamed .damaged,
+    kept for a person to look at, and the one before it is tried; a file unsafe to read
+    stops the run, and so does a damaged checkpoint the user named (`setting`, --resume).
+    Every rank must take the same decision, and a damaged shard or RNG file may show on one
+    rank only, so each rank's verdict is summed over the ranks first."""
+    for path in candidates:
+        error = None
+        try:
+            load(path)
+        except (DamagedCheckpointError, UnsafeCheckpointError) as e:
+            error = e
+        unsafe = isinstance(error, UnsafeCheckpointError)
+        votes = torch.tensor([error is not None and not unsafe, unsafe], dtype=torch.float32,
+                             device=accelerator.device)
+        n_damaged, n_unsafe = accelerator.reduce(votes, "sum").tolist()
+        if n_unsafe:
+            raise error if unsafe else UnsafeCheckpointError(
+                f"{path}: another rank refused a file of it as unsafe (see its error)")
+        if not n_damaged:
+            step = read_train_state(path)["step"]
+            accelerator.print(f"resumed from {path} at step {step:,}")
+            return str(Path(path).resolve())
+        reason = error or f"{path}: a file another rank reads is damaged"
+        if setting != "auto":
+            raise ValueError(f"resume={setting} cannot be read: {reason}")
+        accelerator.wait_for_everyone()  # every rank is done reading it
+        if accelerator.is_main_process:
+            kept = set_aside(path, "damaged")
+            print(f"warning: skipping damaged checkpoint {reason}; kept as {kept}")
+        accelerator.wait_for_everyone()
+    if candidates:
+        raise ValueError(f"no checkpoint in {ckpt_root(out_dir)} can be read (see the warnings "
+                         f"above; each is kept as .damaged); --resume=none starts afresh")
+    return None
+
+
 def set_aside(path: Path, reason: str) -> Path:
     """Rename checkpoint folder `path` to <name>.<reason> (.<reason>.2, ... if that is
     taken): never resumed from, never deleted, never written over."""
@@ -201,11 +240,30 @@ def save(accelerator, model, optimizers: list, train_state: dict, out_dir,
 
 
 def read_train_state(path: Path) -> dict:
-    """The checkpoint's train_state.json; DamagedCheckpointError if it cannot be read."""
+    """The checkpoint's train_state.json in today's layout; DamagedCheckpointError if it
+    cannot be read."""
     try:
-        return json.loads((Path(path) / "train_state.json").read_text())
+        return current_layout(json.loads((Path(path) / "train_state.json").read_text()))
     except (OSError, ValueError) as e:
         raise DamagedCheckpointError(f"{path}: train_state.json: {e}") from e
+
+
+def current_layout(state: dict) -> dict:
+    """A train_state written before data mixtures (one source, one cursor) as a mixture of
+    one: its data_dir read `cursor` windows in stage 0. Such a state names its data by the
+    fingerprint of the whole directory (data_sha256), not yet by its tokenizer's sha256;
+    one written before the code's revision was recorded says "unknown"."""
+    state = {"revision": "unknown", **state}
+    loader = state.get("loader", {})
+    if "stage_start" in loader or "cursor" not in loader:  # today's, or no loader at all
+        return state
+    source = state["config"]["data_dir"]
+    fingerprints = {source: state["data_sha256"]} if "data_sha256" in state else {}
+    loader = {"seq_len": loader["seq_len"], "seed": loader["seed"], "stage_start": 0,
+              "cursor": loader["cursor"], "offsets": {source: 0},
+              "consumed": {source: loader["cursor"]}, "fingerprints": fingerprints}
+    return {"skipped_steps": 0, "stages": [[0, [[source, 1.0]]]], "tokenizer_sha256": None,
+            **state, "loader": loader}
 
 
 def load(accelerator, model, optimizers: list, path: Path):
@@ -286,28 +344,6 @@ def set_rng_state(state: dict):
     torch.set_rng_state(state["torch"])
     if state["cuda"]:
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def export(ckpt: Path, model, model_config: dict, tokenizer_file, out_dir,
-           provenance: dict) -> Path:
-    """out_dir/export/{model.pt, config.json, tokenizer.json, provenance.json} from
-    checkpoint `ckpt`: one consolidated file that sample.py loads, whatever the rank count
-    that trained it, and where it came from (the checkpoint, its step, the code revisions).
-    `model` is a freshly built model of the checkpoint's shape (`model_config`, read from
-    its train_state.json), filled from the checkpoint; `tokenizer_file` the tokenizer it
-    was trained with."""
-    weights = read_model(ckpt, model)
-    out = Path(out_dir) / "export"
-    tmp = out.with_name("export.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    torch.save(weights, tmp / "model.pt")
-    (tmp / "config.json").write_text(json.dumps(model_config, indent=1))
-    (tmp / "provenance.json").write_text(json.dumps(provenance, indent=1))
-    shutil.copy(tokenizer_file, tmp / "tokenizer.json")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
 
 
 def read_model(ckpt: Path, model) -> dict:

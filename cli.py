@@ -1,5 +1,6 @@
-"""Command-line plumbing that train.py, prepare.py, sample.py and config.py's own command
-share: a mistake a user can fix is one line, not a traceback.
+"""Command-line plumbing that every command shares (train.py, prepare.py, export.py,
+sample.py, report.py and config.py's own): a mistake a user can fix is one line, not a
+traceback.
 
 Imports from stacklm: nothing.
 """

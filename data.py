@@ -405,6 +405,46 @@ def load_manifest(data_dir) -> dict:
     return manifest
 
 
+def check_sources(sources: list[str], vocab_size: int) -> dict[str, dict]:
+    """Each source's manifest, after checking that the sources can be trained on together
+    by a model of `vocab_size`: one tokenizer for all (a mixture's tokens must mean one
+    thing), no larger than the model's vocabulary."""
+    manifests = {d: load_manifest(d) for d in sources}
+    first, first_sha = sources[0], manifests[sources[0]]["tokenizer"]["sha256"]
+    for d, manifest in manifests.items():
+        if manifest["tokenizer"]["sha256"] != first_sha:
+            raise ValueError(f"{first} and {d} were prepared with different tokenizers; a "
+                             f"mixture needs one: prepare {d} again with `python prepare.py "
+                             f"--tokenizer {first}/tokenizer.json`")
+        if manifest["vocab_size"] > vocab_size:
+            raise ValueError(f"{d}: the tokenizer has {manifest['vocab_size']:,} ids but "
+                             f"model.vocab_size={vocab_size:,}; set --model.vocab_size="
+                             f"{manifest['vocab_size']} or re-prepare the data")
+    return manifests
+
+
+def has_val(manifest: dict) -> bool:
+    """False for a directory prepared with --val_fraction 0, which has no val split."""
+    return manifest["splits"]["val"]["tokens"] > 0
+
+
+def val_shares(stages: list[Stage], manifests: dict[str, dict]) -> dict[str, float]:
+    """The sources evaluated, and their weights in the mixture's val_loss: every source
+    with a val split (one prepared with --val_fraction 0 has none: it trains, unevaluated),
+    weighted by the first stage's shares renormalised over those sources; a source only
+    later stages read counts for 0 in the mean but is evaluated too. Where the first stage
+    has no val split at all, the first stage that has one gives the shares."""
+    evaluated = [d for d in manifests if has_val(manifests[d])]
+    if not evaluated:
+        raise ValueError(f"no source of this run has a val split ({', '.join(manifests)}), "
+                         f"so it cannot be evaluated; prepare one with --val_fraction above 0")
+    first = next(stage.sources for stage in stages
+                 if any(d in evaluated for d, _ in stage.sources))
+    kept = {d: w for d, w in first if d in evaluated}
+    total = sum(kept.values()) if len(kept) < len(first) else 1.0  # shares sum to 1 already
+    return {d: kept.get(d, 0.0) / total for d in evaluated}
+
+
 def windows_per_epoch(manifest: dict, split: str, seq_len: int) -> int:
     """Windows of seq_len in a split: window i needs tokens up to i*T + T, the last of which
     is only ever a target."""
@@ -564,7 +604,7 @@ def verify(data_dir):
 def fingerprint(manifest: dict) -> str:
     """The identity of a prepared dataset: a sha256 over the tokenizer's hash and every
     shard's (split, file, sha256, tokens) in manifest order. Equal fingerprints mean the
-    same token streams under the same tokenizer; train.py compares it on resume."""
+    same token streams under the same tokenizer; the loader compares it on resume."""
     shards = [[split, shard["file"], shard["sha256"], shard["tokens"]]
               for split, info in manifest["splits"].items() for shard in info["shards"]]
     identity = json.dumps([manifest["tokenizer"]["sha256"], shards])  # unambiguous framing

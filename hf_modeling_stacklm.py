@@ -1,4 +1,4 @@
-"""modeling_stacklm.py of a transformers export (hf_export.py copies this file there):
+"""modeling_stacklm.py of a transformers export (export.py copies this file there):
 Stack-100M's shape, QK-norm and NoPE layers together, as a Qwen3 subclass.
 
     AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)

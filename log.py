@@ -7,15 +7,15 @@ of its own.
 metrics.jsonl is the run's record: one JSON object per line, each with a `kind` and a
 `step`. `start` (what each start of the run was: config, preset, code, hardware, data plan,
 schedule, what a resume changed), `train` (a log line), `eval`, `skip` (an update skipped
-for a non-finite loss), `checkpoint`, `sample` (the end-of-run sample) and `end` (how this
+for a non-finite loss or gradient norm), `checkpoint`, `sample` (the end-of-run sample) and `end` (how this
 start ended: finished, stopped, or the error). A restart appends to it; a step logged twice
 (redone after a crash) counts once, its last record, when report.py reads it back.
 
 Every value the logger gets is already global (reduced across ranks by the loop); only the
 main process writes.
 
-Imports from stacklm: nothing. It takes a config object and plain numbers, and starts
-report.py as a command.
+Imports from stacklm: config (the nearest preset and the schedule's phases, for the start
+record). Otherwise it takes plain numbers, and starts report.py as a command.
 """
 
 import dataclasses
@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+import config
 
 # Dense bf16 tensor-core peak per GPU (vendor datasheets, no sparsity). MFU is reported
 # against these; unknown devices and CPUs show MFU as n/a rather than a made-up number.
@@ -79,13 +81,14 @@ def memory_estimate(cfg, n_params: int, n_muon: int, world: int, sharded: bool,
     in the log. fp32 master weights and gradients (4 bytes each), Muon's momentum (4) and
     AdamW's two moments (8), divided by the rank count under FSDP2; the activations of the
     blocks that are not recomputed (a recomputed block keeps only its input, and one block
-    at a time is recomputed); one chunk of fp32 logits and their gradient."""
+    at a time is recomputed); one chunk of fp32 logits and their gradient (all the logits
+    when the head is plain, ce_chunk_size 0)."""
     m = cfg.model
     shard = world if sharded else 1
     tokens = cfg.micro_batch_size * cfg.seq_len
     block = tokens * ACTIVATION_BYTES_PER_D[bf16] * m.d_model
     every = cfg.recompute_every
-    recomputed = m.n_layers // every if every else 0
+    recomputed = math.ceil(m.n_layers / every) if every else 0  # blocks 0, every, 2·every, …
     block_input = tokens * m.d_model * (2 if bf16 else 4)
     activations = (m.n_layers - recomputed) * block + recomputed * block_input \
         + (block if recomputed else 0)
@@ -93,7 +96,7 @@ def memory_estimate(cfg, n_params: int, n_muon: int, world: int, sharded: bool,
     budget = {"weights+grads": 8 * n_params / shard / gib,
               "optimizer": (4 * n_muon + 8 * (n_params - n_muon)) / shard / gib,
               "activations": activations / gib,
-              "loss_head": 2 * min(m.ce_chunk_size, tokens) * m.vocab_size * 4 / gib}
+              "loss_head": 2 * min(m.ce_chunk_size or tokens, tokens) * m.vocab_size * 4 / gib}
     budget["total"] = sum(budget.values())
     return budget
 
@@ -108,6 +111,13 @@ class Hardware:
     compiled: bool
     device_name: str = ""  # e.g. "NVIDIA H200", or the CPU's model and core count
     torch: str = torch.__version__
+
+
+def hardware(accelerator, compiled: bool) -> Hardware:
+    """The Hardware an accelerate.Accelerator runs on."""
+    return Hardware(accelerator.num_processes, str(accelerator.device),
+                    accelerator.distributed_type.value, accelerator.mixed_precision, compiled,
+                    device_name(accelerator.device))
 
 
 def device_name(device: torch.device) -> str:
@@ -130,16 +140,48 @@ MEM_COLUMN = {"cuda": "the log's mem column is the measured peak of allocated te
                      "the Python runtime and libraries included: not comparable to this"}
 
 
-def banner(cfg, hardware: Hardware, n_params: int, n_muon: int, optimizers: str,
-           schedule: str, flops: dict[str, float], plan: list[dict], revision: str) -> str:
+@dataclasses.dataclass
+class Start:
+    """What one start of the run is, beside its config: the banner prints it and the `start`
+    record of metrics.jsonl keeps it, so that report.py can describe the whole run from
+    out_dir alone (old checkpoints are pruned)."""
+    hardware: Hardware
+    revision: str  # the git revision of the code that runs (code_revision)
+    plan: list[dict]  # config.data_plan's rows: each stage's sources, tokens and epochs
+    evaluated: dict[str, float]  # the sources with a val split and their shares of val_loss
+    resumed_from: str | None = None  # the checkpoint this start continues
+    resume_changes: list = dataclasses.field(default_factory=list)  # (knob, old, new)
+
+
+def start_record(cfg, start: Start, step: int, tokens_seen: int) -> dict:
+    """metrics.jsonl's `start` record: where this start begins, the config and how it differs
+    from its nearest preset, the code, the hardware, the data plan, the schedule's phases,
+    and what a resume continued and changed."""
+    preset, preset_changes = config.nearest_preset(cfg)
+    return {"step": step, "tokens_seen": tokens_seen,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "preset": preset, "preset_changes": preset_changes,
+            "config": dataclasses.asdict(cfg), "revision": start.revision,
+            "hardware": dataclasses.asdict(start.hardware), "plan": start.plan,
+            "phases": config.wsd_phases(cfg)._asdict(),
+            "resumed_from": start.resumed_from, "resume_changes": start.resume_changes}
+
+
+def banner(cfg, start: Start, model, optimizers, schedule: str, flops: dict[str, float]) -> str:
     """Everything a practitioner checks before trusting a run, with units.
 
-    `optimizers` and `schedule` are the one-line summaries optim.py makes; `flops` holds
-    the FLOP/token of both conventions ("causal", "palm"); `plan` config.data_plan's rows."""
+    `optimizers` is optim.Optimizers (its summary() is one line with a part per group, read
+    before accelerate.prepare wraps them); `schedule` optim.schedule_summary's line; `flops` the
+    FLOP/token of both conventions ("causal", "palm")."""
+    hardware = start.hardware
+    n_params = sum(p.numel() for p in model.parameters())
+    muon = optimizers.named.get("muon")
+    n_muon = sum(p.numel() for g in muon.param_groups for p in g["params"]) if muon else 0
     budget = memory_estimate(cfg, n_params, n_muon, hardware.world,
                              hardware.distributed == "FSDP", hardware.precision == "bf16")
+    unevaluated = [row["source"] for row in start.plan if row["source"] not in start.evaluated]
     lines = [
-        f"model: {n_params / 1e6:.2f}M parameters ({optimizers})",
+        f"model: {n_params / 1e6:.2f}M parameters ({optimizers.summary()})",
         f"FLOP/token: {flops['causal']:.3e} causal, {flops['palm']:.3e} palm "
         f"(seq {cfg.seq_len:,})",
         f"batch: {cfg.batch_summary(hardware.world)}",
@@ -147,12 +189,16 @@ def banner(cfg, hardware: Hardware, n_params: int, n_muon: int, optimizers: str,
         f"{cfg.total_steps:,}",
         *(f"data from step {row['start']:,}: {row['source']} × {row['weight']:.3g}, "
           f"{row['available']:,} train tokens/epoch; this run reads {row['planned']:,} tokens "
-          f"= {row['planned'] / row['available']:.2f} epochs" for row in plan),
+          f"= {row['planned'] / row['available']:.2f} epochs" for row in start.plan),
+        *([f"val: {', '.join(dict.fromkeys(unevaluated))} has no val split: trained on, "
+           f"not evaluated; val_loss is the mean of "
+           + ", ".join(f"{d} × {w:.3g}" for d, w in start.evaluated.items())]
+          if unevaluated else []),
         f"hardware: {hardware.world} × {hardware.device} ({hardware.distributed}), "
         f"precision {hardware.precision} (the config's mixed_precision={cfg.mixed_precision}, "
         f"which wins over a launch config's), compile {hardware.compiled}, activation "
         f"recompute {cfg.activation_recompute}",
-        f"code: {revision}",
+        f"code: {start.revision}",
         "memory estimate per rank: " + " + ".join(
             f"{k} {v:.2f}" for k, v in budget.items() if k != "total")
         + f" = {budget['total']:.2f} GiB ({MEM_COLUMN[hardware.device.split(':')[0]]})",
@@ -175,15 +221,61 @@ REPORT_SCRIPT = Path(__file__).with_name("report.py")
 STOP_REPORT_WAIT_S = 10.0
 
 
+class ReportProcess:
+    """report.py drawing out_dir's report in a process of its own, one at a time: while one
+    draws, a checkpoint starts none. `say` prints a line above the progress bar."""
+
+    def __init__(self, out_dir: str, say):
+        self.out_dir, self.say, self.process = out_dir, say, None
+
+    def start(self, final: bool):
+        """A checkpoint's report runs --quiet; the final one prints where the report is
+        (and, for the `tiny` preset, how the run compares with the reference seeds)."""
+        if self.drawing():
+            return
+        command = [sys.executable, str(REPORT_SCRIPT), self.out_dir,
+                   *([] if final else ["--quiet"])]
+        # A session of its own: a Ctrl-C at the terminal reaches the run, not the drawing.
+        self.process = subprocess.Popen(command, start_new_session=True)
+
+    def drawing(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def final(self, deadline: float | None):
+        """The report of the whole run, after the end record: let a checkpoint's report that
+        still draws finish, then draw once more, and wait."""
+        if self.wait(deadline):
+            self.start(final=True)
+            self.wait(deadline)
+
+    def wait(self, deadline: float | None) -> bool:
+        """Wait for report.py until `deadline` (time.monotonic(); None: no limit). Past it,
+        the run goes on to exit, the drawing finishes on its own, and this returns False."""
+        if self.process is None:
+            return True
+        try:
+            code = self.process.wait(None if deadline is None
+                                     else max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            self.say(f"report: still drawing {STOP_REPORT_WAIT_S:g} s after the stop; it "
+                     f"finishes in the background (`python report.py {self.out_dir}` draws "
+                     f"it again)")
+            return False
+        if code:  # report.py printed its error above
+            self.say(f"report: not written (report.py exited {code}); the run is unaffected: "
+                     f"`python report.py {self.out_dir}` draws it")
+        return True
+
+
 class MetricsLogger:
     """One line per log step to the terminal, metrics.jsonl and wandb, from the main process
     only. A tqdm progress bar sits under the lines when stderr is a terminal; redirected to
     a file or a scheduler's log, there is no bar and every line is a plain line.
 
-    At each checkpoint it starts report.py in the background (one at a time: while one
-    draws, a checkpoint starts none), and on leaving the `with` block it records how this
-    start ended and runs report.py once more, waiting for it, so that report.md and
-    report.png are complete when the command exits."""
+    At each checkpoint it has report.py redraw the run report in the background, and on
+    leaving the `with` block it records how this start ended and draws the report once
+    more, waiting for it, so that report.md and report.png are complete when the command
+    exits."""
 
     def __init__(self, cfg, is_main: bool, device: torch.device, world: int,
                  flops: dict[str, float], start_step: int):
@@ -194,7 +286,8 @@ class MetricsLogger:
         self.start = time.perf_counter()
         self.last_step, self.last_seconds = start_step, 0.0
         self.step = start_step  # the newest step recorded
-        self.report = None  # report.py's process, while one runs
+        self.report = ReportProcess(cfg.out_dir, self.print) \
+            if is_main and cfg.write_report else None
         self.bar = tqdm(total=cfg.stop_at_step, initial=start_step, dynamic_ncols=True,
                         desc="train", disable=not (is_main and sys.stderr.isatty()))
         self.jsonl = self.wandb = None
@@ -225,8 +318,8 @@ class MetricsLogger:
                     "error": None if exc is None else f"{exc_type.__name__}: {exc}",
                     "elapsed_s": time.perf_counter() - self.start})
         self.jsonl.close()
-        if self.cfg.write_report:
-            self.final_report(None if finished else time.monotonic() + STOP_REPORT_WAIT_S)
+        if self.report is not None:
+            self.report.final(None if finished else time.monotonic() + STOP_REPORT_WAIT_S)
         if self.wandb is not None:
             self.wandb.finish()
 
@@ -247,59 +340,21 @@ class MetricsLogger:
                 self.wandb.log({k: v for k, v in record.items() if k != "kind"},
                                step=record["step"])
 
-    def write_report(self, final: bool):
-        """Start report.py on out_dir, unless one still draws. A checkpoint's report runs
-        quietly; the final one prints where the report is (and, for the `tiny` preset, how
-        the run compares with the reference seeds)."""
-        if not (self.main and self.cfg.write_report) or self.drawing():
-            return
-        command = [sys.executable, str(REPORT_SCRIPT), self.cfg.out_dir,
-                   *([] if final else ["--quiet"])]
-        # A session of its own: a Ctrl-C at the terminal reaches the run, not the drawing.
-        self.report = subprocess.Popen(command, start_new_session=True)
-
-    def drawing(self) -> bool:
-        return self.report is not None and self.report.poll() is None
-
-    def final_report(self, deadline: float | None):
-        """The report of the whole run, after the end record: let a checkpoint's report that
-        still draws finish, then draw once more, and wait."""
-        if self.wait_for_report(deadline):
-            self.write_report(final=True)
-            self.wait_for_report(deadline)
-
-    def wait_for_report(self, deadline: float | None) -> bool:
-        """Wait for report.py until `deadline` (time.monotonic(); None: no limit). Past it,
-        the run goes on to exit, the drawing finishes on its own, and this returns False."""
-        if self.report is None:
-            return True
-        try:
-            code = self.report.wait(None if deadline is None
-                                    else max(deadline - time.monotonic(), 0))
-        except subprocess.TimeoutExpired:
-            self.print(f"report: still drawing {STOP_REPORT_WAIT_S:g} s after the stop; it "
-                       f"finishes in the background (`python report.py {self.cfg.out_dir}` "
-                       f"draws it again)")
-            return False
-        if code:  # report.py printed its error above
-            self.print(f"report: not written (report.py exited {code}); the run is "
-                       f"unaffected: `python report.py {self.cfg.out_dir}` draws it")
-        return True
-
     def log_start(self, record: dict):
-        """What this start of the run is (train.start_record), before its first line."""
+        """What this start of the run is (start_record), before its first line."""
         self.write({"kind": "start", **record})
 
     def log_checkpoint(self, step: int, seconds: float):
         """A checkpoint was written at `step`: record it, and redraw the report."""
         self.write({"kind": "checkpoint", "step": step, "seconds": seconds})
-        self.write_report(final=False)
+        if self.report is not None:
+            self.report.start(final=False)
 
     def log_sample(self, step: int, prompt: str, text: str):
         self.print(f"sample ({prompt!r} →):\n{text}")
         self.write({"kind": "sample", "step": step, "prompt": prompt, "text": text})
 
-    def log_train(self, step: int, result: dict, lrs: dict[str, float], tokens_seen: int,
+    def log_train(self, step: int, result, lrs: dict[str, float], tokens_seen: int,
                   skipped_steps: int, train_seconds: float, tokens_read: dict) -> dict:
         """Throughput over the steps since the last line, on training time only (evaluation
         and checkpoints excluded). TFLOP/s and MFU follow from tokens/s by construction:
@@ -312,8 +367,8 @@ class MetricsLogger:
         peak_tflops = self.peak * self.world / 1e12 if self.peak else None
         record = {
             "kind": "train", "step": step,
-            "loss": result["loss"], "ce": result["ce"], "z": result["z"],
-            "grad_norm": result["grad_norm"], **{f"lr_{k}": v for k, v in lrs.items()},
+            "loss": result.loss, "ce": result.ce, "z": result.z,
+            "grad_norm": result.grad_norm, **{f"lr_{k}": v for k, v in lrs.items()},
             "tokens_seen": tokens_seen,  # and below, the tokens read from each source so far
             **{f"tokens/{source}": tokens for source, tokens in tokens_read.items()},
             "tokens_per_s": tokens_per_s, "tflops": tflops, "tflops_palm": tflops_palm,
@@ -337,7 +392,7 @@ class MetricsLogger:
         line = (f"eval {step:>6,} | val_loss {metrics['val_loss']:.4f} | "
                 f"val_bpb {metrics['val_bpb']:.4f}")
         if len(sources) > 1:
-            line += " (mixture at the first stage's shares) | " + " | ".join(
+            line += " (the mixture, at fixed shares) | " + " | ".join(
                 f"{name} {metrics[f'val_loss/{name}']:.4f}" for name in sources)
         self.print(line)
         values = {k: v for k, v in metrics.items() if k.split("/")[0] in ("val_loss", "val_bpb")}

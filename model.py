@@ -16,7 +16,8 @@ Shape letters: B batch, T tokens in a row, S keys (T, or the cache length when
 generating), C model width (d_model), H query heads, K key/value heads, D head dim,
 V vocabulary, N = B·T rows of the loss head.
 
-Imports from stacklm: config (the model's shape).
+Imports from stacklm: config (the model's shape) and data (the EOS token a sample opens
+with).
 """
 
 import functools
@@ -30,6 +31,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from torch.utils.checkpoint import checkpoint
 
 from config import StackConfig
+from data import EOS_TOKEN
 
 # ---------------------------------------------------------------------------------------
 # Normalisation and rotary position embedding
@@ -146,7 +148,8 @@ def attention_mask(seq_ids, device) -> BlockMask | torch.Tensor | None:
 def attention(q, k, v, mask):
     """Softmax attention; q (B, H, T, D), k and v (B, K, S, D) -> (B, H, T, D).
 
-    `mask` is None (causal), a boolean (B or 1, 1, T, S) tensor, or a BlockMask. Query head h
+    `mask` is None (causal), a boolean tensor broadcast to (B, H, T, S) — (B, 1, T, S) for
+    packed documents, (T, S) when generating with a cache — or a BlockMask. Query head h
     reads key/value head h // (H / K) (grouped-query attention, arXiv 2305.13245): the
     kernels' enable_gqa does this without copying k and v H / K times.
     """
@@ -258,9 +261,10 @@ def reference_loss(logits, targets, z_loss: float, ignore_index: int = -100,
     normaliser near 1 and the logits from drifting in bf16. Both are summed over the
     targets that are not ignore_index and, for "mean", divided by their number.
 
-    This is what the model computes; it needs the whole (N, V) logits, 8 GiB in fp32 for
-    one Stack-100M micro-batch (N = 32 × 2,048, V = 32,768), and as much again for their
-    gradient. `fused_ce_z_loss` below computes the same number without them."""
+    `Transformer.forward` calls it when model.ce_chunk_size is 0. It needs the whole (N, V)
+    logits, 8 GiB in fp32 for one Stack-100M micro-batch (N = 32 × 2,048, V = 32,768), and
+    as much again for their gradient; `fused_ce_z_loss` below computes the same number
+    without them, and is the head whenever ce_chunk_size is set."""
     kept = targets != ignore_index
     ce = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
     z = z_loss * logits.logsumexp(dim=-1)[kept].square().sum()
@@ -447,11 +451,18 @@ class Transformer(nn.Module):
                 reduction="mean") -> Loss:
         """input_ids, targets, position_ids, seq_ids: (B, T) integer tensors -> Loss(loss, ce,
         z): CE + z-loss over the non-ignored targets, their mean or (reduction="sum") sum.
-        The (B·T, V) logits are never built; `logits` is the method that returns them."""
-        B, T = input_ids.shape
-        x = self.hidden_states(input_ids, position_ids, seq_ids)  # (B, T, C)
-        return Loss(*fused_ce_z_loss(x.reshape(B * T, -1), self.embed.weight,
-                                     targets.reshape(B * T), self.cfg.z_loss,
+
+        With ce_chunk_size 0 the head is plain: the (N, V) logits, then `reference_loss`.
+        Otherwise the chunked head computes the same number without ever holding them (a
+        Stack-100M micro-batch's logits alone would take 8 GiB)."""
+        x = self.hidden_states(input_ids, position_ids, seq_ids).flatten(0, 1)  # (N, C)
+        targets = targets.flatten()  # (N,)
+        if not self.cfg.ce_chunk_size:
+            # (N, V), upcast to fp32; under bf16 autocast the matmul itself runs in bf16 (the
+            # chunked head keeps it in fp32)
+            logits = F.linear(x, self.embed.weight).float()
+            return reference_loss(logits, targets, self.cfg.z_loss, reduction=reduction)
+        return Loss(*fused_ce_z_loss(x, self.embed.weight, targets, self.cfg.z_loss,
                                      self.cfg.ce_chunk_size, reduction=reduction,
                                      head_dtype=self.loss_head_dtype))
 
@@ -511,6 +522,25 @@ class Transformer(nn.Module):
         for block, cache in zip(self.blocks, caches, strict=True):
             x = block(x, cos, sin, mask, cache)
         return F.linear(self.norm(x), self.embed.weight).float()  # (B, T, V)
+
+
+# Sampling defaults of sample.py and of the end-of-run sample, so that both read alike.
+TEMPERATURE, TOP_K = 0.8, 50
+
+
+def complete(model, tokenizer, prompt: str, max_new_tokens: int,
+             temperature: float = TEMPERATURE, top_k: int | None = TOP_K) -> str:
+    """One completion of `prompt` as text (`tokenizer` is the model's `tokenizers.Tokenizer`),
+    opened with EOS as every training document is, and cut at the first EOS generated."""
+    eot = tokenizer.token_to_id(EOS_TOKEN)
+    ids = [eot] + tokenizer.encode(prompt).ids
+    device = model.embed.weight.device
+    tokens = model.generate(torch.tensor([ids], device=device), max_new_tokens,
+                            temperature=temperature, top_k=top_k)[0].tolist()
+    new = tokens[len(ids):]
+    if eot in new:
+        new = new[:new.index(eot)]
+    return tokenizer.decode(ids[1:] + new)
 
 
 def sample_next_token(logits, temperature: float, top_k: int | None):

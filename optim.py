@@ -8,8 +8,9 @@
   embedding/head and the 1-D gains to AdamW; `Optimizers` holds the two, and the loop sets
   their lr, steps and zeroes them as one.
 - `lr_multiplier` is the warmup-stable-decay (WSD) schedule (Hu et al. 2024, MiniCPM,
-  arXiv 2404.06395) as a pure function of the step; `check_schedule` refuses layouts that
-  would stop a run in the middle of its decay; `wsd_phases` lays the schedule out.
+  arXiv 2404.06395) as a pure function of the step. The schedule's layout (`wsd_phases`)
+  and its checks (`check_schedule`, which refuses a run that would stop mid-decay) are
+  config.py's, run when the config is made.
 
 Imports from stacklm: config (the schedule's layout). It takes a model and a config
 object.

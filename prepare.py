@@ -190,8 +190,9 @@ def check_splits(splits: dict, source_name: str, val_fraction: float, first_trai
                          f"--val_fraction={needed:.3g} or more (that moves at least one "
                          f"document), or add documents")
     if val_fraction == 0:
-        print("data: warning: --val_fraction=0 makes no val split; train.py evaluates on "
-              "val, so train on this directory only as a mixture's extra source")
+        print("data: warning: --val_fraction=0 makes no val split; train.py trains on such a "
+              "directory without evaluating it, so use it as a mixture's extra source beside "
+              "one that has a val split")
 
 
 def check_out_dir(out_dir: Path, source_dir: Path | None):
@@ -233,6 +234,29 @@ def print_summary(out_dir, manifest: dict, tokenizer_s: float, total_s: float):
 def builtin_data_dir(vocab_size: int) -> str:
     """Where `python prepare.py --vocab_size N` puts the built-in corpus, e.g. data/stdlib-4k."""
     return f"data/stdlib-{vocab_size // 1024}k"
+
+
+def ensure_builtin(sources: list[str], vocab_size: int):
+    """Prepare the built-in corpus, if a run reads it and it is not there. This program made
+    that folder itself, so a copy without manifest.json (a preparation that was killed
+    before its rename, or files put there by hand) is moved aside, never deleted, and the
+    corpus prepared again."""
+    builtin = builtin_data_dir(vocab_size)
+    if builtin not in sources or (Path(builtin) / MANIFEST).exists():
+        return
+    if Path(builtin).exists():
+        aside = Path(f"{builtin}.incomplete")
+        n = 1
+        while aside.exists():
+            n += 1
+            aside = Path(f"{builtin}.incomplete.{n}")
+        Path(builtin).rename(aside)
+        print(f"data: {builtin} has no {MANIFEST}, so it is not a prepared corpus (an "
+              f"interrupted preparation?); moved it to {aside} and preparing it again")
+    else:
+        print(f"data: {builtin} is missing; preparing the built-in corpus (the Python standard "
+              f"library) with a {vocab_size:,}-token vocabulary")
+    prepare(out_dir=builtin, vocab_size=vocab_size)
 
 
 def stdlib_files() -> tuple[Path, list[Path]]:

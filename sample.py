@@ -3,11 +3,12 @@
     python sample.py --export out/tiny/export --prompt "def " --max_new_tokens 64 \\
         --temperature 0.8 --top_k 50 --num_samples 2 --seed 1337
 
-The export directory (written by `python train.py --export`) holds model.pt (a
-Transformer state_dict), config.json (the StackConfig) and tokenizer.json. A missing or
+The export directory (written by `python export.py OUT_DIR`) holds model.pt (a Transformer
+state_dict), config.json (the StackConfig), tokenizer.json and provenance.json (where it
+came from; sample.py does not need it). A missing or
 damaged export is one line on stderr and exit status 2; --debug shows the traceback.
 
-Imports from stacklm: cli, config, data and model.
+Imports from stacklm: cli, config and model.
 """
 
 import argparse
@@ -21,12 +22,10 @@ from tokenizers import Tokenizer
 
 from cli import user_errors
 from config import StackConfig
-from data import EOS_TOKEN
-from model import Transformer
+from model import TEMPERATURE, TOP_K, Transformer, complete
 
+# What sampling needs of an export (export.py also writes provenance.json, for people).
 EXPORT_FILES = ("model.pt", "config.json", "tokenizer.json")
-# Sampling defaults, shared with train.py's end-of-run sample so that both read alike.
-TEMPERATURE, TOP_K = 0.8, 50
 
 
 def load_export(export_dir: str, device: str = "cpu") -> tuple[Transformer, Tokenizer]:
@@ -38,8 +37,8 @@ def load_export(export_dir: str, device: str = "cpu") -> tuple[Transformer, Toke
                                 f"{how_to_export(export)}")
     missing = [name for name in EXPORT_FILES if not (export / name).is_file()]
     if missing:
-        raise FileNotFoundError(f"--export {export} has no {', '.join(missing)} (an export "
-                                f"holds {', '.join(EXPORT_FILES)}); {how_to_export(export)}")
+        raise FileNotFoundError(f"--export {export} has no {', '.join(missing)} (sampling "
+                                f"needs {', '.join(EXPORT_FILES)}); {how_to_export(export)}")
     try:
         cfg = StackConfig(**json.loads((export / "config.json").read_text()))
     except (ValueError, TypeError) as e:  # bad JSON, an unknown or a bad field
@@ -81,28 +80,13 @@ def how_to_export(export: Path) -> str:
     """The fix for any bad export: write it again from the run's newest checkpoint (the
     export takes the model's shape and tokenizer from the checkpoint itself)."""
     out_dir = export.parent if export.name == "export" else Path("OUT_DIR")
-    return (f"write one with: python train.py --out_dir={out_dir} --export, which writes "
-            f"{out_dir / 'export'}")
-
-
-def complete(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float,
-             top_k: int | None) -> str:
-    """One completion of `prompt`, cut at the first end-of-text the model generates."""
-    eot = tokenizer.token_to_id(EOS_TOKEN)
-    ids = [eot] + tokenizer.encode(prompt).ids
-    device = model.embed.weight.device
-    tokens = model.generate(torch.tensor([ids], device=device), max_new_tokens,
-                            temperature=temperature, top_k=top_k)[0].tolist()
-    new = tokens[len(ids):]
-    if eot in new:
-        new = new[:new.index(eot)]
-    return tokenizer.decode(ids[1:] + new)
+    return f"write one with: python export.py {out_dir}, which writes {out_dir / 'export'}"
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Sample completions from an exported model.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--export", required=True, help="directory written by train.py --export")
+    parser.add_argument("--export", required=True, help="directory written by export.py")
     parser.add_argument("--prompt", default="\n", help="text to complete")
     parser.add_argument("--max_new_tokens", type=int, default=128,
                         help="tokens generated after the prompt")

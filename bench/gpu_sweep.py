@@ -46,6 +46,7 @@ import checkpoint  # noqa: E402
 import config  # noqa: E402
 import data  # noqa: E402
 import optim  # noqa: E402
+import prepare  # noqa: E402
 import log  # noqa: E402
 import train  # noqa: E402
 from model import flops_per_token  # noqa: E402
@@ -107,8 +108,7 @@ def main(argv=None):
         # small steps 5-20x slower than a single thread.
         torch.set_num_threads(1)
     base, steps, warmup = base_config(args)
-    stages = [data.Stage(*stage) for stage in base.stages(None)]
-    train.ensure_data(base, stages, train.make_accelerator(base))  # prepares it if missing
+    prepare.ensure_builtin([base.data_dir], base.model.vocab_size)  # prepares it if missing
     chosen = [v for v in VARIANTS if args.variants is None or v.name in args.variants]
     rows = []
     for variant in chosen:
@@ -212,7 +212,7 @@ def measure(variant: Variant, cfg, steps: int, warmup: int, dry_run: bool, t0: f
                                     seed=cfg.seed)
     run = train.Run(cfg=cfg, accelerator=accelerator, model=model, optimizers=optimizers,
                     loader=WithoutDocumentIds(loader) if variant.drop_seq_ids else loader,
-                    stages=[], manifests={})
+                    stages=[], manifests={}, start=None)
     try:
         with checkpoint.StopFlag() as stop:
             for step in range(warmup + steps):
@@ -233,7 +233,7 @@ def measure(variant: Variant, cfg, steps: int, warmup: int, dry_run: bool, t0: f
             "ce_chunk_size": cfg.model.ce_chunk_size, "tokens_per_s": round(tokens_per_s, 1),
             "mfu": mfu["causal"], "mfu_palm": mfu["palm"],
             "peak_gib": round(log.memory_gib(accelerator.device), 3),
-            "loss": result["loss"], "step_s": round(seconds / steps, 4),
+            "loss": result.loss, "step_s": round(seconds / steps, 4),
             "seconds": round(time.perf_counter() - t0, 1), "error": None}
 
 

@@ -3,17 +3,17 @@
     python bench/report_cost.py [--rounds 3] [--tokens_per_s 560000]
 
 A synthetic metrics.jsonl the size of the reference run's (34,332 steps: a log line every
-10 steps, 35 evaluations, a checkpoint every 1,000 steps, the start, sample and end
-records) is reported, side by side in one process:
+10 steps, 36 evaluations, a checkpoint every 1,000 steps and at the last step, the start,
+sample and end records) is reported, side by side in one process:
   cold        `python report.py OUT_DIR --quiet`, a fresh interpreter, as the run starts it
   in_process  report.write in this process once its imports are warm
   spawn       what the training process itself pays to start the report at a checkpoint
               (subprocess.Popen returning; the drawing then runs on another core)
 Each is the median of --rounds. Set beside the reference run's wall time at
 --tokens_per_s (README's target: 45% MFU on one H200 ≈ 560k tokens/s; 8 GPUs divide it by
-8), the run's 34 checkpoint reports and its final one cost the training process
-34 × spawn + 1 × cold (the final report is waited for), and at most 35 × cold of another
-core's time.
+8), the run's 35 checkpoint reports (1,000, …, 34,000 and the last step) and its final one
+cost the training process 35 × spawn + 1 × cold (the final report is waited for), and at
+most 36 × cold of another core's time.
 
 Prints one JSON line.
 """
@@ -61,7 +61,7 @@ def synthetic_log(out_dir: Path, steps: int, log_every: int, eval_every: int,
         if step % eval_every == 0 or step == steps:
             lines.append({"kind": "eval", "step": step, "tokens_seen": step * batch,
                           "val_loss": loss + 0.05, "val_bpb": (loss + 0.05) / 2.3})
-        if step and step % ckpt_every == 0:
+        if step and (step % ckpt_every == 0 or step == steps):  # the last step is saved too
             lines.append({"kind": "checkpoint", "step": step, "seconds": 8.0})
     lines += [{"kind": "sample", "step": steps, "prompt": "def ", "text": "def main():"},
               {"kind": "end", "step": steps, "outcome": "finished", "error": None,

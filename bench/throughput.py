@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import config  # noqa: E402
 import data  # noqa: E402
 import optim  # noqa: E402
+import prepare  # noqa: E402
 import train  # noqa: E402
 
 
@@ -78,8 +79,7 @@ def main():
             "total_steps": total, "stop_at_step": total, "warmup_steps": 1,
             "decay_fraction": 0.0, "log_every": args.warmup, "eval_every": 10**9,
             "ckpt_every": 10**9, "resume": "none", "sample_tokens": 1})
-        train.ensure_data(cfg, [data.Stage(*s) for s in cfg.stages(None)],
-                          train.make_accelerator(cfg))
+        prepare.ensure_builtin([cfg.data_dir], cfg.model.vocab_size)
         for round_ in range(args.rounds):
             bare.append(bare_tokens_per_s(cfg, args.steps, args.warmup))
             run_cfg = config.apply_overrides(cfg, {"out_dir": f"{out}/{round_}"})

@@ -1,9 +1,9 @@
-"""torchrun worker for tests/test_data_at_scale.py: train.evaluate on N ranks (DDP over gloo).
+"""torchrun worker for tests/test_data_at_scale.py: train.val_loss on N ranks (DDP over gloo).
 
     python -m torch.distributed.run --nproc_per_node=N tests/dist_eval.py CONFIG.json OUT.json
 
 Every rank builds the same seeded micro model from the TrainConfig in CONFIG.json and runs
-`train.evaluate` with an `accelerate.Accelerator(cpu=True)`; rank 0 writes the result.
+`train.val_loss` with an `accelerate.Accelerator(cpu=True)`; rank 0 writes the result.
 """
 
 import json
@@ -25,7 +25,7 @@ def main(config_json: str, out_json: str):
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)
     model = Transformer(cfg.model)
-    metrics = train.evaluate(cfg, accelerator, model, data.token_bytes(cfg.data_dir),
+    metrics = train.val_loss(cfg, accelerator, model, data.token_bytes(cfg.data_dir),
                              cfg.data_dir)
     if accelerator.is_main_process:
         with open(out_json, "w") as f:

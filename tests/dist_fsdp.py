@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import checkpoint  # noqa: E402
 import config  # noqa: E402
 import data  # noqa: E402
+import log  # noqa: E402
 import optim  # noqa: E402
 import train  # noqa: E402
 from conftest import micro_config  # noqa: E402
@@ -102,11 +103,12 @@ def make_run(cfg, data_dir: str) -> train.Run:
     stages = [data.Stage(0, ((data_dir, 1.0),))]
     loader = MaskedLoader(stages, cfg.seq_len, cfg.micro_batch_size, accelerator.process_index,
                           accelerator.num_processes, seed=cfg.seed)
+    start = log.Start(log.hardware(accelerator, False), "test", [], {data_dir: 1.0})
     return train.Run(cfg, accelerator, model, optimizers, loader, stages,
-                     {data_dir: data.load_manifest(data_dir)})
+                     {data_dir: data.load_manifest(data_dir)}, start)
 
 
-def train_steps(run: train.Run) -> list[dict]:
+def train_steps(run: train.Run) -> list[train.StepResult]:
     """What train.main does around each step, without evaluation, logging or checkpoints."""
     results = []
     with checkpoint.StopFlag() as stop:
@@ -172,9 +174,9 @@ def main():
         weights = {k: full(v) for k, v in run.model.state_dict().items()}
         if rank == 0:
             (out / "train.json").write_text(json.dumps({
-                "losses": [r["loss"] for r in results],
-                "grad_norms": [r["grad_norm"] for r in results],
-                "skipped": [r["skipped"] for r in results]}))
+                "losses": [r.loss for r in results],
+                "grad_norms": [r.grad_norm for r in results],
+                "skipped": [r.skipped for r in results]}))
             torch.save(weights, out / "weights.pt")
     elif action == "save":
         train_steps(run)

@@ -388,13 +388,12 @@ def test_a_sigterm_after_training_still_exits_zero(small_data_dir, tmp_path, mon
     other: the run ends normally and its outcome is "finished". (Here a handler of the
     test's own stands where the default one, which kills the process with -15, would be:
     it sees any SIGTERM the run's own handler does not take.)"""
-    import sample
-    complete, escaped = sample.complete, []
+    complete, escaped = train.complete, []
 
     def interrupted(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
         return complete(*args, **kwargs)
-    monkeypatch.setattr(sample, "complete", interrupted)
+    monkeypatch.setattr(train, "complete", interrupted)
     monkeypatch.setenv(checkpoint.OUTCOME_FILE, str(tmp_path / "out"))
     previous = signal.signal(signal.SIGTERM, lambda *_: escaped.append(True))
     try:

@@ -78,7 +78,7 @@ def test_eval_tokens_below_the_split_evaluate_that_many_windows(prepared, tmp_pa
     want = single_window_evaluation(cfg)
     assert want["windows"] == 7  # not a multiple of the micro-batch: one padded row
     torch.manual_seed(0)
-    got = train.evaluate(cfg, train.Accelerator(cpu=True), Transformer(cfg.model),
+    got = train.val_loss(cfg, train.Accelerator(cpu=True), Transformer(cfg.model),
                          data.token_bytes(cfg.data_dir), cfg.data_dir)
     assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-6)
 

@@ -52,7 +52,6 @@ BAD_FLAGS = [
     (["--data_dir=/nonexistent/data"], "python prepare.py"),
     (["--resume=/nonexistent/step_0000004"], "no train_state.json there"),
     (["--out_dir={out}/file"], "is a file, not a directory"),
-    (["--export"], "no checkpoint in"),
 ]
 
 BAD_TOML = [

@@ -154,10 +154,10 @@ def test_sharded_comparison_catches_a_wrong_normalisation(small_data_dir, tmp_pa
 @pytest.mark.distributed
 def test_sharded_checkpoint_reloads_on_other_rank_counts(small_data_dir, tmp_path):
     """Saved at 2 ranks, loaded at 1 and at 3: every weight and every optimizer state
-    (Muon momentum, AdamW moments and step) is bit-identical; and, as --export does, a
+    (Muon momentum, AdamW moments and step) is bit-identical; and, as export.py does, a
     plain unsharded model in a single process reads the same weights."""
     torchrun(2, "save", small_data_dir, tmp_path)
-    # what --export does: one process, no process group, a plain model reads the shards
+    # what export.py does: one process, no process group, a plain model reads the shards
     model_cfg = micro_config(small_data_dir, str(tmp_path)).model
     plain = {"model": Transformer(model_cfg).state_dict()}
     dcp.load(plain, checkpoint_id=str(tmp_path / "ckpt"))

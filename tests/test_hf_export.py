@@ -6,18 +6,22 @@ tokenizer's ids. Two wrong exports must fail the same logit check."""
 
 import dataclasses
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from tokenizers import Tokenizer
 
-import hf_export
+import export
+import log
 import train
 from config import StackConfig
 from conftest import micro_config
 from model import KVCache, Transformer
-from test_train import checkpoint_weights
+from test_train import REPO, checkpoint_weights
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -26,6 +30,7 @@ TOLERANCE = 1e-5  # fp32; measured differences are ~4e-7
 SHAPES = {  # (qk_norm, nope_every) -> the class that must read it
     (True, 0): "Qwen3ForCausalLM", (False, 2): "SmolLM3ForCausalLM",
     (False, 0): "SmolLM3ForCausalLM", (True, 2): "StackLMForCausalLM"}
+PROVENANCE = {"trained_by": "x"}  # what write_hf records of the checkpoint it writes
 TEXTS = ["def f(x):\n    return x  # café ☕\n", "import json, os\n\n\nclass A:\n  pass"]
 
 
@@ -69,7 +74,8 @@ def test_each_shape_loads_as_its_class_with_equal_logits_and_greedy_text(shape, 
                                                                          tmp_path):
     model = stack_model(*shape)
     tokenizer = str(Path(small_data_dir) / "tokenizer.json")
-    folder = hf_export.write(tmp_path / "hf", model.state_dict(), model.cfg, tokenizer, 0, "x")
+    folder = export.write_hf(tmp_path / "hf", model.state_dict(), model.cfg, tokenizer, 0,
+                             PROVENANCE)
     hf, info = load(folder)
     assert type(hf).__name__ == SHAPES[shape]
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
@@ -84,7 +90,8 @@ def test_each_shape_loads_as_its_class_with_equal_logits_and_greedy_text(shape, 
 def test_the_tokenizer_gives_the_ids_of_tokenizers_itself(small_data_dir, tmp_path):
     tokenizer = str(Path(small_data_dir) / "tokenizer.json")
     model = stack_model(True, 2)
-    folder = hf_export.write(tmp_path / "hf", model.state_dict(), model.cfg, tokenizer, 0, "x")
+    folder = export.write_hf(tmp_path / "hf", model.state_dict(), model.cfg, tokenizer, 0,
+                             PROVENANCE)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     ours = Tokenizer.from_file(tokenizer)
     for text in TEXTS:
@@ -99,14 +106,15 @@ def test_the_tokenizer_gives_the_ids_of_tokenizers_itself(small_data_dir, tmp_pa
 def test_wrong_exports_fail_the_logit_check(mistake, small_data_dir, tmp_path):
     """Negative controls: the parity check must see both (greedy text alone does not)."""
     model = stack_model(True, 2) if mistake.startswith("default") else stack_model(True, 0)
-    config = hf_export.hf_config(model.cfg, 0, "x")
+    config = export.hf_config(model.cfg, 0, "x")
     if mistake.startswith("default"):
         config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
         del config["auto_map"], config["no_rope_layers"]
     else:
         del config["rope_theta"], config["rope_parameters"]
     tokenizer = str(Path(small_data_dir) / "tokenizer.json")
-    folder = hf_export.write(tmp_path / "hf", model.state_dict(), model.cfg, tokenizer, 0, "x",
+    folder = export.write_hf(tmp_path / "hf", model.state_dict(), model.cfg, tokenizer, 0,
+                             PROVENANCE,
                              config=config)
     hf, _ = load(folder)
     ids = ids_of(tokenizer)
@@ -116,8 +124,8 @@ def test_wrong_exports_fail_the_logit_check(mistake, small_data_dir, tmp_path):
 def test_without_remote_code_the_stacklm_folder_is_refused_not_run_as_qwen3(small_data_dir,
                                                                           tmp_path):
     model = stack_model(True, 2)  # QK-norm and NoPE layers: Stack-100M's shape
-    folder = hf_export.write(tmp_path / "hf", model.state_dict(), model.cfg,
-                             str(Path(small_data_dir) / "tokenizer.json"), 0, "x")
+    folder = export.write_hf(tmp_path / "hf", model.state_dict(), model.cfg,
+                             str(Path(small_data_dir) / "tokenizer.json"), 0, PROVENANCE)
     with pytest.raises(ValueError, match="trust_remote_code"):
         transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False)
 
@@ -130,8 +138,9 @@ def test_the_folder_holds_the_tied_embedding_once_and_the_config_readme_lists(sm
     from safetensors import safe_open
     model = stack_model(True, 0)
     eos_id = 7  # not 0, so a field left at a default shows
-    folder = hf_export.write(tmp_path / "hf", model.state_dict(), model.cfg,
-                             str(Path(small_data_dir) / "tokenizer.json"), eos_id, "abc123")
+    folder = export.write_hf(tmp_path / "hf", model.state_dict(), model.cfg,
+                             str(Path(small_data_dir) / "tokenizer.json"), eos_id,
+                             {"trained_by": "abc123"})
     with safe_open(folder / "model.safetensors", "pt") as weights:
         keys = set(weights.keys())
         embedding = weights.get_tensor("model.embed_tokens.weight")
@@ -144,12 +153,12 @@ def test_the_folder_holds_the_tied_embedding_once_and_the_config_readme_lists(sm
     assert config["stacklm_revision"] == "abc123"
 
 
-def test_train_export_format_hf_writes_the_checkpoint_as_a_transformers_folder(
+def test_export_format_hf_writes_the_checkpoint_as_a_transformers_folder(
         small_data_dir, tmp_path, capsys):
     cfg = micro_config(small_data_dir, str(tmp_path), stop_at_step=4,
                        **{"model.rope_theta": 500_000.0})
     train.main(cfg)
-    train.cli(["--preset", "tiny", f"--out_dir={tmp_path}", "--export", "--format=hf"])
+    export.main([str(tmp_path), "--format", "hf"])
     assert "trust_remote_code=True" in capsys.readouterr().out  # NoPE and QK-norm: remote
     hf, info = load(tmp_path / "export-hf")
     assert not any(info.values()), info
@@ -157,5 +166,16 @@ def test_train_export_format_hf_writes_the_checkpoint_as_a_transformers_folder(
     model.load_state_dict(checkpoint_weights(cfg, 4))
     ids = ids_of(str(Path(small_data_dir) / "tokenizer.json"))
     assert (hf_logits(hf, ids) - stack_logits(model, ids)).abs().max() < TOLERANCE
-    assert hf.config.stacklm_revision == train.log.code_revision()
+    assert hf.config.stacklm_revision == log.code_revision()
     assert dataclasses.asdict(cfg.model)["nope_every"] == 2  # micro_config's NoPE layers
+
+    # README's Python lines, as written, on this folder, with no terminal to answer a
+    # question: transformers asks before it runs a folder's code unless it is told it may.
+    snippet = re.search(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)[1]
+    done = subprocess.run([sys.executable, "-c", snippet.replace("out/tiny/export-hf",
+                                                                 str(tmp_path / "export-hf"))],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Do you wish to run the custom code?" not in done.stdout + done.stderr
+    assert "You are using a model of type `stacklm`" not in done.stderr
+    assert "def " in done.stdout

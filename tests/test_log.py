@@ -12,8 +12,8 @@ import torch
 import config
 import log
 import optim
-import train
 from model import Transformer
+from train import StepResult
 
 
 def test_peak_flops_table():
@@ -64,6 +64,18 @@ def test_memory_estimate_counts_optimizer_state_and_recomputed_blocks():
     block, block_input = tokens * 66 * d, tokens * d * 2
     assert full["activations"] == pytest.approx((30 * block_input + block) / gib)
     assert plain["activations"] == pytest.approx(30 * block / gib)
+    # every-4 recomputes blocks 0, 4, …, 28 (model.py's rule, layer % 4 == 0): 8 of 30
+    every4 = log.memory_estimate(config.apply_overrides(cfg, {"activation_recompute": "every-4"}),
+                                 n, n_muon, world=1, sharded=False, bf16=True)
+    assert every4["activations"] == pytest.approx((22 * block + 8 * block_input + block) / gib)
+
+
+def test_a_plain_loss_head_is_estimated_for_all_its_rows():
+    """ce_chunk_size 0 is the plain head: the whole (B·T, V) fp32 logits and their gradient."""
+    cfg = config.apply_overrides(config.tiny(), {"model.ce_chunk_size": 0})
+    rows = cfg.micro_batch_size * cfg.seq_len
+    estimate = log.memory_estimate(cfg, 4_000_000, 3_000_000, world=1, sharded=False, bf16=False)
+    assert estimate["loss_head"] == pytest.approx(2 * rows * 4096 * 4 / 2**30)
 
 
 def test_readmes_memory_table_is_the_banners_estimate():
@@ -81,10 +93,13 @@ def test_readmes_memory_table_is_the_banners_estimate():
         cfg = config.apply_overrides(preset, dict(re.findall(r"--([\w.]+)=([\w-]+)", overrides)))
         with torch.device("meta"):  # the shapes alone: no memory, no time
             model = Transformer(cfg.model)
-        text = train.banner(cfg, hardware, model, optim.build_optimizers(model, cfg), [], "abc")
+        start = log.Start(hardware, "abc", [], {cfg.data_dir: 1.0})
+        text = log.banner(cfg, start, model, optim.build_optimizers(model, cfg), "schedule",
+                          {"causal": 1.0, "palm": 1.0})
         [total] = re.findall(r"^memory estimate per rank: .* = ([\d.]+) GiB", text, re.M)
         digits = len(quoted.partition(".")[2])
         assert f"{float(total):.{digits}f}" == quoted, overrides
+
 
 def test_log_line_labels_each_learning_rate(tmp_path, monkeypatch):
     """The rates are labelled by optimizer, in the order given, and the metrics record
@@ -94,7 +109,7 @@ def test_log_line_labels_each_learning_rate(tmp_path, monkeypatch):
     printed = io.StringIO()
     monkeypatch.setattr("sys.stdout", printed)
     with log.MetricsLogger(cfg, True, torch.device("cpu"), 1, flops, start_step=0) as logger:
-        result = {"loss": 4.0, "ce": 3.99, "z": 0.01, "grad_norm": 0.5}
+        result = StepResult(4.0, 3.99, 0.01, 0.5, skipped=False, stop=False, seconds=2.0)
         logger.log_train(10, result, {"muon": 6e-3, "adamw": 3e-3}, 40960, 0,
                          train_seconds=2.0, tokens_read={})
     assert "| lr muon 6.00e-03 adamw 3.00e-03 |" in printed.getvalue()
@@ -111,7 +126,7 @@ def test_no_progress_bar_when_not_a_terminal(tmp_path, capsys):
     with log.MetricsLogger(cfg, True, torch.device("cpu"), 1, {"causal": 1.0, "palm": 1.0},
                            start_step=0) as logger:
         for step in (10, 20):
-            logger.log_train(step, {"loss": 1.0, "ce": 1.0, "z": 0.0, "grad_norm": 1.0},
+            logger.log_train(step, StepResult(1.0, 1.0, 0.0, 1.0, False, False, 1.0),
                              {"muon": 1e-3, "adamw": 1e-3}, step * 4096, 0,
                              train_seconds=step, tokens_read={})
     out = capsys.readouterr()
@@ -122,9 +137,12 @@ def test_no_progress_bar_when_not_a_terminal(tmp_path, capsys):
 @pytest.mark.parametrize("device, says", [("cpu", "the process's peak resident memory"),
                                           ("cuda:0", "the measured peak of allocated tensors")])
 def test_banner_names_the_loss_unit_and_what_the_mem_column_measures(device, says):
-    hardware = log.Hardware(1, device, "NO", "no", False)
-    text = log.banner(config.tiny(), hardware, 4_000_000, 3_000_000, "optimizers",
-                      "schedule", {"causal": 1.0, "palm": 1.0}, [], "abc1234")
+    cfg = config.tiny()
+    model = Transformer(cfg.model)
+    start = log.Start(log.Hardware(1, device, "NO", "no", False), "abc1234", [],
+                      {cfg.data_dir: 1.0})
+    text = log.banner(cfg, start, model, optim.build_optimizers(model, cfg), "schedule",
+                      {"causal": 1.0, "palm": 1.0})
     assert "loss: cross-entropy + z-loss in nats per target token" in text
     [line] = [line for line in text.splitlines() if line.startswith("memory estimate per rank")]
     assert says in line

@@ -14,6 +14,7 @@ import pytest
 
 import config
 import data
+import export
 import prepare
 import report
 import sample
@@ -197,7 +198,7 @@ def test_a_toml_file_lists_stages(tmp_path):
 
 def test_the_recipe_file_holds_the_mixture_and_the_anneal_readme_names(monkeypatch):
     """configs/smollm_mixture.toml under the stack100m preset: the stable mix of README
-    (0.85, 0.12, 0.03) from step 0, the anneal from decay_start, and a run that stops at the
+    (0.86, 0.11, 0.03) from step 0, the anneal from decay_start, and a run that stops at the
     end of the stable phase, step 34,332, where the anneal's checkpoint is."""
     monkeypatch.chdir(REPO)
     cfg, _ = config.parse_args(["--preset", "stack100m", "--config",
@@ -205,7 +206,7 @@ def test_the_recipe_file_holds_the_mixture_and_the_anneal_readme_names(monkeypat
     assert cfg.stop_at_step == config.wsd_phases(cfg).decay_start == 34_332
     (start, stable), (anneal_start, anneal) = cfg.stages(34_332)
     assert (start, anneal_start) == (0, 34_332)
-    assert dict(stable) == pytest.approx({"data/fwe-dedup": 0.85, "data/cosmo": 0.12,
+    assert dict(stable) == pytest.approx({"data/fwe-dedup": 0.86, "data/cosmo": 0.11,
                                           "data/finemath": 0.03})
     assert dict(anneal) == pytest.approx({"data/fwe-dedup": 0.4, "data/cosmo": 0.3,
                                           "data/finemath": 0.3})
@@ -258,8 +259,7 @@ def test_the_handoff_trains_exactly_as_both_stages_from_the_start(sources, tmp_p
     metrics = train.main(branch)
     assert {p: p.stat().st_mtime_ns for p in Path(stable.out_dir).rglob("*")} == before
     assert metrics["sample"].startswith(branch.sample_prompt)  # the end-of-run sample works
-    exported, _ = sample.load_export(str(train.export(dataclasses.replace(branch,
-                                                                          resume="auto"))))
+    exported, _ = sample.load_export(str(export.export(branch.out_dir)))
     assert exported.cfg == branch.model  # and so does the export, after a mixture and anneal
     assert losses(branch) == [r for r in losses(both) if r[0] > 16]
     assert checkpoint_weights_equal(both, branch, 20)
@@ -429,3 +429,43 @@ def test_the_banner_plans_each_stage_and_warns_per_source(sources, tmp_path, cap
     over = [r["source"] for r in plan if r["planned"] / r["available"] > 4]
     assert over == sources and out.count("warning: this run reads") == 3
     assert all(f"warning: this run reads {source} " in out for source in over)
+
+
+# ---------------------------------------------------------------------------------------
+# A source without a val split (prepare.py --val_fraction 0)
+# ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def no_val(small_data_dir, tmp_path_factory) -> str:
+    """The standard library's `email` package, with small_data_dir's tokenizer and no val."""
+    text = tmp_path_factory.mktemp("email_text")
+    for path in sorted((Path(sysconfig.get_paths()["stdlib"]) / "email").rglob("*.py")):
+        shutil.copy(path, text / f"{path.parent.name}_{path.stem}.txt")
+    out = tmp_path_factory.mktemp("no_val") / "no_val"
+    prepare.prepare(str(text), str(out), val_fraction=0,
+                    tokenizer=str(Path(small_data_dir) / "tokenizer.json"))
+    return str(out)
+
+
+def test_a_source_without_val_trains_unevaluated_and_the_mean_renormalises(sources, no_val,
+                                                                          tmp_path, capsys):
+    """prepare.py's advice for --val_fraction 0 holds: such a source is trained on (its
+    tokens are read) and not evaluated, the banner says so, and the mixture's val_loss is
+    the mean of the others under the first stage's shares renormalised: 0.5 and 0.25 of
+    the three become 2/3 and 1/3."""
+    cfg = micro_config(f"{sources[0]}:2,{sources[1]}:1,{no_val}:1", str(tmp_path),
+                       stop_at_step=2, eval_every=2)
+    metrics = train.main(cfg)
+    out = capsys.readouterr().out
+    assert f"val: {no_val} has no val split: trained on, not evaluated" in out
+    assert f"val_loss/{no_val}" not in metrics
+    assert metrics["val_loss"] == pytest.approx(2 / 3 * metrics[f"val_loss/{sources[0]}"]
+                                                + 1 / 3 * metrics[f"val_loss/{sources[1]}"])
+    assert train_records(cfg)[-1][f"tokens/{no_val}"] > 0
+
+
+def test_a_run_with_no_val_split_at_all_is_refused_in_setup(no_val, tmp_path, capsys):
+    err = run_cli([f"--data_dir={no_val}", f"--out_dir={tmp_path}", "--preset", "tiny",
+                   "--model.vocab_size=512"], capsys)
+    assert "no source of this run has a val split" in err and "--val_fraction" in err
+    assert not (tmp_path / "metrics.jsonl").exists()  # refused before the log opened

@@ -136,6 +136,30 @@ def test_model_loss_parts_and_tied_gradient_match_full_logits():
     torch.testing.assert_close(mean_loss.detach(), loss.detach() / 21)  # 24 - 3 ignored
 
 
+def test_the_plain_head_is_cross_entropy_on_the_logits_and_equals_the_chunked_one(monkeypatch):
+    """ce_chunk_size 0: forward builds the logits and takes F.cross_entropy + z·lse² of them
+    (the oracle, written here from torch's functions), never the chunked head; the chunked
+    head on the same weights gives the same loss and tied gradient."""
+    ids, targets = torch.randint(0, 97, (2, 12)), torch.randint(0, 97, (2, 12))
+    targets[1, -4:] = -100
+    plain, chunked = small_model(ce_chunk_size=0), small_model(ce_chunk_size=7)
+    with monkeypatch.context() as m:
+        m.setattr(M, "fused_ce_z_loss", lambda *a, **k: pytest.fail("chunked head called"))
+        loss, ce, z = plain(ids, targets=targets)
+    loss.backward()
+    logits = plain.logits(ids).flatten(0, 1).detach()
+    kept = targets.flatten() != -100
+    want_ce = F.cross_entropy(logits, targets.flatten(), ignore_index=-100)
+    want_z = plain.cfg.z_loss * logits.logsumexp(-1)[kept].square().mean()
+    torch.testing.assert_close(ce, want_ce, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(z, want_z, rtol=1e-6, atol=1e-9)
+    other = chunked(ids, targets=targets)
+    other.loss.backward()
+    torch.testing.assert_close(other.loss, loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(chunked.embed.weight.grad, plain.embed.weight.grad, rtol=1e-5,
+                               atol=1e-6)
+
+
 def test_the_embedding_is_the_only_vocab_matrix():
     model = small_model()
     vocab_sized = [name for name, p in model.named_parameters() if 97 in p.shape]
@@ -578,7 +602,8 @@ def test_sampling_follows_softmax_of_logits_over_temperature(temperature):
 
 
 def write_tiny_export(export_dir, **model_overrides):
-    """A random tiny model and a small byte-level BPE tokenizer, as train.py exports them."""
+    """A random tiny model and a small byte-level BPE tokenizer, as export.py writes them for sample.py (less provenance.json, which sampling
+    does not need)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -599,7 +624,7 @@ def write_tiny_export(export_dir, **model_overrides):
 
 
 def greedy_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
-    """The oracle for sample.complete at temperature 0: model.generate on the prompt's ids,
+    """The oracle for model.complete at temperature 0: model.generate on the prompt's ids,
     after the end-of-text token that opens every document in training (data.py), decoded
     whole. It must not stop early, so that nothing is cut."""
     eot = tokenizer.token_to_id("<|endoftext|>")
@@ -616,7 +641,7 @@ def test_greedy_completion_is_the_whole_generated_text(tmp_path):
     write_tiny_export(str(tmp_path), init_std=0.3)  # at 0.02 it repeats one token
     model, tokenizer = sample.load_export(str(tmp_path))
     want = greedy_text(model, tokenizer, "def add(", 24)
-    assert sample.complete(model, tokenizer, "def add(", 24, temperature=0, top_k=None) == want
+    assert M.complete(model, tokenizer, "def add(", 24, temperature=0, top_k=None) == want
     assert want.startswith("def add(") and len(want) > len("def add(") + 10
 
 
@@ -625,7 +650,6 @@ def test_completion_stops_at_the_first_end_of_text():
     a, b, decoded."""
     import types
 
-    import sample
     from tokenizers import Tokenizer, models
 
     tokenizer = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "x": 1, "a": 2, "b": 3, "c": 4},
@@ -634,7 +658,7 @@ def test_completion_stops_at_the_first_end_of_text():
     scripted = types.SimpleNamespace(
         embed=types.SimpleNamespace(weight=torch.zeros(1)),
         generate=lambda ids, n, temperature, top_k: torch.cat([ids, continuation], dim=1))
-    assert sample.complete(scripted, tokenizer, "x", 4, temperature=0, top_k=None) == \
+    assert M.complete(scripted, tokenizer, "x", 4, temperature=0, top_k=None) == \
         tokenizer.decode([1, 2, 3])
 
 

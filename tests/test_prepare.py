@@ -466,3 +466,29 @@ def test_data_dir_names_the_output_and_out_is_its_alias(corpus, tmp_path):
         prepare.main(["--source", str(corpus[0]), flag, str(tmp_path / flag[2:]),
                       "--vocab_size", "300", "--val_fraction", "0.2"])
         assert data.load_manifest(tmp_path / flag[2:])["vocab_size"] <= 300
+
+
+def test_a_built_in_corpus_folder_without_a_manifest_is_moved_aside_and_prepared_again(
+        tmp_path, monkeypatch, capsys):
+    """data/stdlib-4k without manifest.json (a preparation killed before its rename) is not
+    "missing": it is said what it is, kept as data/stdlib-4k.incomplete (nothing is
+    deleted), and the corpus is prepared again in its place."""
+    monkeypatch.chdir(tmp_path)
+    leftover = tmp_path / "data" / "stdlib-4k"
+    leftover.mkdir(parents=True)
+    (leftover / "train_00000.bin").write_bytes(b"\0" * 8)
+    made = []
+
+    def fake_prepare(out_dir, vocab_size):  # the real one reads the whole standard library
+        assert not Path(out_dir).exists()  # prepare refuses a folder that holds files
+        made.append((out_dir, vocab_size))
+        Path(out_dir).mkdir()
+        (Path(out_dir) / "manifest.json").write_text("{}")
+    monkeypatch.setattr(prepare, "prepare", fake_prepare)
+    prepare.ensure_builtin(["data/stdlib-4k"], 4096)
+    assert made == [("data/stdlib-4k", 4096)]
+    assert (tmp_path / "data" / "stdlib-4k.incomplete" / "train_00000.bin").is_file()
+    out = capsys.readouterr().out
+    assert "data/stdlib-4k has no manifest.json" in out and "is missing" not in out
+    prepare.ensure_builtin(["data/stdlib-4k"], 4096)  # prepared now: nothing more to do
+    assert len(made) == 1

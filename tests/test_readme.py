@@ -95,8 +95,8 @@ HOW = {
     "--stop_at_step=38147 --anneal_data_dir=data/cosmo:1,data/finemath:1 "
     "--resume=out/smollm/ckpt/step_0034332 --out_dir=out/anneal-b": (
         "run", CPU_STAND_IN + ["--stop_at_step=4", "--resume=out/smollm/ckpt/step_0000002"]),
-    "python train.py --preset tiny --export": ("run", []),
-    "python train.py --preset tiny --export --format=hf": ("run", []),
+    "python export.py out/tiny": ("run", []),
+    "python export.py out/tiny --format hf": ("run", []),
     "lm_eval --model hf --model_args pretrained=out/tiny/export-hf,trust_remote_code=True "
     "--tasks hellaswag,arc_easy,piqa --batch_size 32": (
         "skip", "lm-evaluation-harness downloads its tasks; the folder it loads is tested "

@@ -46,7 +46,7 @@ def table(markdown: str) -> dict[str, str]:
 
 
 def start_record(step=0, tokens_seen=0, **config) -> dict:
-    """A start record as train.start_record writes it, for a hand-made log."""
+    """A start record as log.start_record writes it, for a hand-made log."""
     cfg = {"global_batch_tokens": 100, "stop_at_step": 300, **config}
     return {"kind": "start", "step": step, "tokens_seen": tokens_seen, "time": "t",
             "preset": "tiny", "preset_changes": [["out_dir", "out/tiny", "x"]], "config": cfg,
@@ -296,9 +296,9 @@ def test_a_stop_waits_for_the_report_only_so_long(tmp_path, monkeypatch, capsys)
                            start_step=0) as logger:
         logger.log_checkpoint(3, seconds=0.1)  # starts the slow report; stopped at 3 of 8
     took = time.perf_counter() - t0
-    still_drawing = logger.report.poll() is None
-    logger.report.kill()
-    logger.report.wait()
+    still_drawing = logger.report.process.poll() is None
+    logger.report.process.kill()
+    logger.report.process.wait()
     assert took < 5 and still_drawing
     assert f"report: still drawing 0.5 s after the stop; it finishes in the background " \
            f"(`python report.py {tmp_path}` draws it again)" in capsys.readouterr().out

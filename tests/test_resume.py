@@ -2,16 +2,19 @@
 hostile checkpoints never load, and nothing overwrites a previous run."""
 
 import dataclasses
+import hashlib
 import json
 import os
 import pickle
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import checkpoint
+import export
 import train
 from conftest import micro_config
 
@@ -42,7 +45,7 @@ def test_hostile_dcp_metadata_runs_no_code_on_resume_or_export(small_data_dir, t
     (ckpt(cfg, 4) / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
     with pytest.raises(checkpoint.UnsafeCheckpointError, match=r"refers to pathlib.Path.touch|"
                        r"refers to pathlib"):
-        train.export(cfg)
+        export.export(cfg.out_dir)
     with pytest.raises(checkpoint.UnsafeCheckpointError, match="could run code"):
         train.main(dataclasses.replace(cfg, stop_at_step=8))
     assert not marker.exists()
@@ -89,13 +92,18 @@ def test_resume_refuses_a_different_model_shape_naming_both_values(small_data_di
 
 
 def test_resume_refuses_other_data(small_data_dir, tmp_path):
-    """A shard re-prepared between save and resume (manifest.json changes with it)."""
+    """A shard re-prepared between save and resume (manifest.json changes with it, so the
+    data is consistent, only not the data the checkpoint was trained on)."""
     data_dir = tmp_path / "data"
     shutil.copytree(small_data_dir, data_dir)
     cfg = micro_config(str(data_dir), str(tmp_path / "out"), stop_at_step=4)
     train.main(cfg)
     manifest = json.loads((data_dir / "manifest.json").read_text())
-    manifest["splits"]["val"]["shards"][0]["sha256"] = "0" * 64
+    shard = manifest["splits"]["val"]["shards"][0]
+    tokens = np.fromfile(data_dir / shard["file"], dtype=manifest["dtype"])
+    tokens[1:] = tokens[1:][::-1]  # other text: the same tokens in another order
+    tokens.tofile(data_dir / shard["file"])
+    shard["sha256"] = hashlib.sha256((data_dir / shard["file"]).read_bytes()).hexdigest()
     (data_dir / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match=f"source {data_dir} changed since the checkpoint"):
         train.main(dataclasses.replace(cfg, stop_at_step=8))

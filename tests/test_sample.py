@@ -83,8 +83,8 @@ def test_missing_export_directory_in_a_real_process(tmp_path):
     result = run_sample(missing)
     assert_one_line_error(result.returncode, result.stderr,
                           f"--export {missing}: no such directory",
-                          f"write one with: python train.py --out_dir={tmp_path / 'out'} "
-                          f"--export")
+                          f"write one with: python export.py {tmp_path / 'out'}, which "
+                          f"writes {missing}")
 
 
 def test_debug_shows_the_traceback(tmp_path):
@@ -95,7 +95,7 @@ def test_debug_shows_the_traceback(tmp_path):
 def test_export_without_its_files(export, tmp_path, capsys):
     bad = damaged_copy(export, tmp_path, model_pt=None, tokenizer_json=None)
     sample_error(capsys, bad, f"--export {bad} has no model.pt, tokenizer.json",
-                 "write one with: python train.py")
+                 f"write one with: python export.py {bad.parent}")
 
 
 @pytest.mark.parametrize("config_json", [b"{not json", b'{"vocab_size": 280, "colour": 1}',
@@ -103,7 +103,7 @@ def test_export_without_its_files(export, tmp_path, capsys):
 def test_bad_config_json(export, tmp_path, capsys, config_json):
     bad = damaged_copy(export, tmp_path, config_json=config_json)
     sample_error(capsys, bad, f"{bad / 'config.json'} is not a model config",
-                 "write one with: python train.py")
+                 f"write one with: python export.py {bad.parent}")
 
 
 def test_weights_that_do_not_fit_the_config(export, tmp_path, capsys):

@@ -22,12 +22,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import checkpoint
+import export
 import data
 import log
 import model as model_lib
 import optim
 import train
-from conftest import micro_config
+from conftest import copy_of, micro_config
 from model import Transformer, flops_per_token
 
 REPO = Path(__file__).resolve().parent.parent
@@ -485,7 +486,7 @@ def test_tflops_and_mfu_match_counted_flops_over_the_measured_step_time(
 
     def timed(run, stop):
         result = train_step(run, stop)
-        seconds.append(result["seconds"])
+        seconds.append(result.seconds)
         return result
     monkeypatch.setattr(train, "train_step", timed)
     train.main(cfg)
@@ -513,7 +514,7 @@ def test_tflops_and_mfu_match_counted_flops_over_the_measured_step_time(
 # --- evaluation ---------------------------------------------------------------------------
 
 def independent_val_sums(cfg, model) -> dict:
-    """Over every window of the val split in stream order (what train.evaluate reads when
+    """Over every window of the val split in stream order (what train.val_loss reads when
     eval_tokens covers the split): Σ CE from F.cross_entropy on the full logits (float64),
     Σ logsumexp², the number of targets, and their UTF-8 bytes, each target decoded on its
     own by the tokenizer (special tokens decode to nothing) and its bytes counted here."""
@@ -549,7 +550,7 @@ def test_bits_per_byte_counts_the_decoded_bytes_of_the_targets(small_data_dir, t
     cfg = micro_config(small_data_dir, str(tmp_path), eval_tokens=10**9)
     torch.manual_seed(0)
     model = Transformer(cfg.model)
-    got = train.evaluate(cfg, Accelerator(cpu=True), model, data.token_bytes(cfg.data_dir),
+    got = train.val_loss(cfg, Accelerator(cpu=True), model, data.token_bytes(cfg.data_dir),
                          cfg.data_dir)
     ref = independent_val_sums(cfg, model)
     assert got["val_bpb"] / got["val_loss"] == \
@@ -565,7 +566,7 @@ def test_val_loss_is_cross_entropy_without_the_z_loss(small_data_dir, tmp_path):
                        **{"model.z_loss": 0.1})
     torch.manual_seed(0)
     model = Transformer(cfg.model)
-    got = train.evaluate(cfg, Accelerator(cpu=True), model, data.token_bytes(cfg.data_dir),
+    got = train.val_loss(cfg, Accelerator(cpu=True), model, data.token_bytes(cfg.data_dir),
                          cfg.data_dir)
     ref = independent_val_sums(cfg, model)
     assert cfg.model.z_loss * ref["lse2"] / ref["targets"] > 1.0  # z would show by > 1 nat
@@ -606,7 +607,7 @@ def test_wandb_offline_writes_a_run(small_data_dir, tmp_path):
 def test_export_then_sample(small_data_dir, tmp_path):
     cfg = micro_config(small_data_dir, str(tmp_path), stop_at_step=4)
     train.main(cfg)
-    out = train.export(cfg)
+    out = export.export(cfg.out_dir)
     exported = torch.load(out / "model.pt", weights_only=True)
     assert_weights(exported, checkpoint_weights(cfg, 4))
     result = subprocess.run([sys.executable, "sample.py", "--export", str(out), "--prompt",
@@ -635,3 +636,36 @@ def test_bf16_training_tracks_fp32(tmp_path):
     assert runs["bf16"]["val_loss"] == pytest.approx(runs["no"]["val_loss"], abs=0.05)
     late = list(zip(runs["bf16"]["curve"], runs["no"]["curve"], strict=True))[5:]
     assert max(abs(a - b) for a, b in late) < 0.1
+
+
+def test_a_stop_during_the_last_step_still_evaluates_and_saves_it(small_data_dir, tmp_path,
+                                                                   monkeypatch):
+    """A SIGTERM or Ctrl-C that arrives while the final step trains: the run still ends as
+    a finished run does, evaluated at stop_at_step (whose report needs it) and saved."""
+    step = train.train_step
+
+    def signalled_in_the_last_step(run, stop):
+        if run.step == run.cfg.stop_at_step - 1:
+            stop.requested = True
+        return step(run, stop)
+    monkeypatch.setattr(train, "train_step", signalled_in_the_last_step)
+    cfg = micro_config(small_data_dir, str(tmp_path), stop_at_step=6, eval_every=4,
+                       ckpt_every=4)
+    metrics = train.main(cfg)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if r["kind"] == "eval"] == [0, 4, 6]
+    assert lines[-1]["kind"] == "end" and lines[-1]["outcome"] == "finished"
+    assert "sample" in metrics and (checkpoint.step_path(cfg.out_dir, 6)).is_dir()
+
+
+def test_a_damaged_val_split_is_refused_in_setup(small_data_dir, tmp_path):
+    """Every data mistake fails before any compute: a val shard that differs from its
+    manifest stops setup itself, not the step-0 evaluation."""
+    data_dir = copy_of(small_data_dir, tmp_path)
+    manifest = data.load_manifest(data_dir)
+    shard = data_dir / manifest["splits"]["val"]["shards"][0]["file"]
+    raw = bytearray(shard.read_bytes())
+    raw[10] ^= 1
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=f"{shard}.*sha256"):
+        train.setup(micro_config(str(data_dir), str(tmp_path / "run")))

@@ -1,0 +1,246 @@
+"""Export a checkpoint as files other programs load: sample.py's folder, or a Hugging Face
+transformers folder (what lm-evaluation-harness, lighteval, vLLM and the Hub load).
+
+    python export.py out/tiny                      # out/tiny/export/ from the newest checkpoint
+    python export.py out/tiny --format hf          # out/tiny/export-hf/
+    python export.py out/tiny --resume out/tiny/ckpt/step_0000200   # a chosen checkpoint
+
+The export is the checkpoint's own model: its shape comes from the checkpoint's
+train_state.json, and its tokenizer from the data it was trained on, checked against the
+sha256 the checkpoint recorded (a data directory prepared again at the same path is
+refused; --data_dir points at a copy of the original). Both folders carry
+provenance.json: the checkpoint, its step and the code revisions that trained and
+exported it.
+
+`--format stacklm` writes OUT_DIR/export/ with model.pt (one consolidated state dict,
+whatever the rank count that trained it), config.json (the StackConfig), tokenizer.json
+and provenance.json, which sample.py loads.
+
+`--format hf` writes OUT_DIR/export-hf/. Which transformers class reads it depends on the
+shape (model.py's blocks match these to ~1e-6):
+
+    QK-norm, no NoPE layers      Qwen3ForCausalLM      (per-head q/k RMSNorm before RoPE)
+    no QK-norm                   SmolLM3ForCausalLM    (its no_rope_layers say which layers
+                                                        rotate, by stacklm's own rule)
+    QK-norm and NoPE layers      StackLMForCausalLM    (no stock class has both: a Qwen3
+                                                        subclass in modeling_stacklm.py,
+                                                        loaded with trust_remote_code=True)
+
+The last names its own model_type, `stacklm`, so a tool that ignores remote code refuses
+the folder instead of running it as plain Qwen3, which would rotate the NoPE layers (its
+logits are off by ~0.16). The folder holds config.json (with rope_theta and
+rope_parameters, which transformers 4.57 and 5 read respectively), generation_config.json,
+model.safetensors (the tied embedding written once), and a tokenizer that 4.57 and 5 load.
+
+Every file is written into a `.tmp` folder; when it is complete, the old export is removed
+and the `.tmp` folder renamed in its place.
+
+Imports from stacklm: checkpoint, cli, config, data, log and model: it composes them.
+"""
+
+import argparse
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+import checkpoint
+import data
+import log
+from cli import user_errors
+from config import StackConfig, parse_mixture
+from model import Transformer
+
+MODELING_FILE = Path(__file__).resolve().parent / "hf_modeling_stacklm.py"
+
+
+def export(out_dir, fmt: str = "stacklm", resume: str = "auto",
+           data_dir: str | None = None) -> Path:
+    """out_dir/export/ (fmt "stacklm") or out_dir/export-hf/ (fmt "hf") from the checkpoint
+    `resume` names (auto: the newest in out_dir). The tokenizer is read from the
+    checkpoint's data_dir, or from `data_dir` if given (the data moved)."""
+    ckpt = checkpoint.find(out_dir, resume)
+    if ckpt is None:
+        raise FileNotFoundError(f"no checkpoint in {checkpoint.ckpt_root(out_dir)} to export; "
+                                f"train first, or pass --resume PATH to a checkpoint folder")
+    state = checkpoint.read_train_state(ckpt)
+    model_cfg = checkpoint_model(ckpt, state)
+    source = parse_mixture(data_dir or state["config"]["data_dir"])[0][0]  # one tokenizer
+    tokenizer = trained_tokenizer(ckpt, state, source)
+    weights = checkpoint.read_model(ckpt, Transformer(model_cfg))
+    provenance = {"checkpoint": str(ckpt), "step": state["step"],
+                  "trained_by": state["revision"], "exported_by": log.code_revision()}
+    if fmt == "hf":
+        out = write_hf(Path(out_dir) / "export-hf", weights, model_cfg, tokenizer,
+                       data.load_manifest(source)["eos_id"], provenance)
+        remote = ", trust_remote_code=True" if needs_remote_code(model_cfg) else ""
+        print(f"exported {ckpt} to {out} as {architecture(model_cfg)}; load it with "
+              f"transformers' AutoModelForCausalLM.from_pretrained({str(out)!r}{remote})")
+        return out
+    out = write_stacklm(Path(out_dir) / "export", weights, model_cfg, tokenizer, provenance)
+    print(f"exported {ckpt} to {out}; try: python sample.py --export {out}")
+    return out
+
+
+def checkpoint_model(ckpt: Path, state: dict) -> StackConfig:
+    """The model shape the checkpoint was trained with, from its train_state.json."""
+    try:
+        return StackConfig(**state["config"]["model"])
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{ckpt}/train_state.json holds no readable model config "
+                         f"({type(e).__name__}: {e}); export a checkpoint this trainer "
+                         f"wrote") from None
+
+
+def trained_tokenizer(ckpt: Path, state: dict, data_dir: str) -> str:
+    """data_dir's tokenizer file, after checking it is the one checkpoint `ckpt` was trained
+    with: a directory prepared again at the same path must not slip another in. A
+    checkpoint from before mixtures recorded only the data's whole fingerprint."""
+    path = data.tokenizer_path(data_dir)  # the file matches data_dir's own manifest
+    manifest = data.load_manifest(data_dir)
+    if state["tokenizer_sha256"] is not None:
+        same = manifest["tokenizer"]["sha256"] == state["tokenizer_sha256"]
+    else:
+        same = data.fingerprint(manifest) == state.get("data_sha256")
+    if not same:
+        raise ValueError(f"{path} is not the tokenizer {ckpt} was trained with ({data_dir} "
+                         f"was prepared again since); restore that data directory, or pass "
+                         f"--data_dir a copy that holds the original tokenizer")
+    return path
+
+
+def write_folder(folder: Path, write) -> Path:
+    """Call write(tmp) on an empty `folder`.tmp, then put it in place of `folder`."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
+
+
+def write_stacklm(folder: Path, weights: dict, cfg: StackConfig, tokenizer_file,
+                  provenance: dict) -> Path:
+    """sample.py's folder: model.pt, config.json, tokenizer.json, provenance.json."""
+    def write(tmp: Path):
+        torch.save(weights, tmp / "model.pt")
+        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+        (tmp / "provenance.json").write_text(json.dumps(provenance, indent=1))
+        shutil.copy(tokenizer_file, tmp / "tokenizer.json")
+    return write_folder(folder, write)
+
+
+# ---------------------------------------------------------------------------------------
+# The transformers folder
+# ---------------------------------------------------------------------------------------
+
+def architecture(cfg: StackConfig) -> str:
+    """The transformers class that computes what this shape computes."""
+    if not cfg.qk_norm:
+        return "SmolLM3ForCausalLM"
+    return "StackLMForCausalLM" if cfg.nope_every else "Qwen3ForCausalLM"
+
+
+def needs_remote_code(cfg: StackConfig) -> bool:
+    return architecture(cfg) == "StackLMForCausalLM"
+
+
+def hf_config(cfg: StackConfig, eos_id: int, revision: str) -> dict:
+    """config.json for `architecture(cfg)`; the EOS id is also BOS and padding, as in
+    training, where EOS opens every document."""
+    arch = architecture(cfg)
+    config = {
+        "architectures": [arch], "model_type": {"Qwen3ForCausalLM": "qwen3",
+                                                 "SmolLM3ForCausalLM": "smollm3",
+                                                 "StackLMForCausalLM": "stacklm"}[arch],
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.intermediate, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": True,
+        "attention_bias": False, "mlp_bias": False, "use_sliding_window": False,
+        # 4.57 reads rope_theta, 5.x rope_parameters: both, or one of them trains on 10,000
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id,
+        "torch_dtype": "float32", "stacklm_revision": revision,
+    }
+    if arch != "Qwen3ForCausalLM":  # 1 = this layer rotates, stacklm's uses_rope rule
+        config["no_rope_layers"] = [int(not cfg.nope_every or (i + 1) % cfg.nope_every != 0)
+                                    for i in range(cfg.n_layers)]
+    if needs_remote_code(cfg):
+        config["auto_map"] = {"AutoConfig": "modeling_stacklm.StackLMConfig",
+                              "AutoModelForCausalLM": "modeling_stacklm.StackLMForCausalLM"}
+    return config
+
+
+def hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stack's parameter names -> transformers'. The head is the embedding (tied): written
+    once, as model.embed_tokens.weight, which transformers ties back."""
+    names = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+             "attn": "self_attn", "mlp": "mlp"}
+    out = {}
+    for key, tensor in state.items():
+        parts = key.split(".")
+        if key == "embed.weight":
+            name = "model.embed_tokens.weight"
+        elif key == "norm.weight":
+            name = "model.norm.weight"
+        else:  # blocks.N.<module>.<...>
+            name = ".".join(["model", "layers", parts[1], names[parts[2]], *parts[3:]])
+        out[name] = tensor.detach().to(torch.float32).contiguous().clone()
+    return out
+
+
+def write_hf(folder, weights: dict, cfg: StackConfig, tokenizer_file, eos_id: int,
+             provenance: dict, config: dict | None = None) -> Path:
+    """The transformers folder. `config` replaces the derived config.json (the tests'
+    negative controls use it)."""
+    config = config or hf_config(cfg, eos_id, provenance["trained_by"])
+    special = {"bos_token": data.EOS_TOKEN, "eos_token": data.EOS_TOKEN,
+               "pad_token": data.EOS_TOKEN}
+
+    def write(tmp: Path):
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id,
+             "do_sample": True, "temperature": 0.8, "top_k": 50}, indent=1))
+        # "format": "pt" is what 4.57 asks of a safetensors file before it loads it
+        save_file(hf_state_dict(weights), tmp / "model.safetensors", metadata={"format": "pt"})
+        shutil.copy(tokenizer_file, tmp / "tokenizer.json")
+        # PreTrainedTokenizerFast loads in 4.57 and 5.x alike (5's TokenizersBackend does not)
+        (tmp / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", **special,
+             "model_max_length": cfg.max_seq_len}, indent=1))
+        (tmp / "special_tokens_map.json").write_text(json.dumps(special, indent=1))
+        (tmp / "provenance.json").write_text(json.dumps(provenance, indent=1))
+        if config.get("auto_map"):
+            shutil.copy(MODELING_FILE, tmp / "modeling_stacklm.py")
+    return write_folder(Path(folder), write)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Export a training checkpoint: OUT_DIR/export/ for sample.py, or "
+                    "OUT_DIR/export-hf/ for transformers.")
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="the run's out_dir (holds ckpt/)")
+    parser.add_argument("--format", choices=("stacklm", "hf"), default="stacklm",
+                        help="stacklm: OUT_DIR/export/ for sample.py; hf: OUT_DIR/export-hf/, "
+                             "a Hugging Face transformers folder")
+    parser.add_argument("--resume", default="auto", metavar="PATH",
+                        help="the checkpoint folder to export; auto: the newest in OUT_DIR")
+    parser.add_argument("--data_dir", default=None,
+                        help="where the checkpoint's data (its tokenizer) now is, if it moved")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error, not just its message")
+    args = parser.parse_args(argv)
+    with user_errors(args.debug):
+        export(args.out_dir, args.format, args.resume, args.data_dir)
+
+
+if __name__ == "__main__":
+    main()
