@@ -169,8 +169,8 @@ class TrainConfig:
     log_every: int = knob(10, "optimizer steps between log lines",
                           section="logging, evaluation, checkpoints")
     eval_every: int = knob(1_000, "optimizer steps between validation evaluations")
-    eval_tokens: int = knob(4_194_304, "validation tokens per evaluation and source (at most its "
-                                       "whole val split)")
+    eval_tokens: int | None = knob(4_194_304, "validation tokens per evaluation and source (at "
+                                              "most its whole val split); none: all of it")
     ckpt_every: int = knob(1_000, "optimizer steps between checkpoints")
     keep_last_ckpts: int = knob(5, "newest checkpoints kept in out_dir/ckpt; older ones are "
                                    "deleted, except where a data stage or the decay begins")
@@ -195,12 +195,15 @@ class TrainConfig:
     def check(self):
         """Checks that need no hardware and no data. Each error names the field and the fix."""
         positive = ["seq_len", "micro_batch_size", "global_batch_tokens", "total_steps",
-                    "stop_at_step", "log_every", "eval_every", "eval_tokens", "ckpt_every",
+                    "stop_at_step", "log_every", "eval_every", "ckpt_every",
                     "keep_last_ckpts", "max_bad_steps", "adamw_peak_lr", "muon_peak_lr"]
         for name in positive:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):  # `value <= 0` would let NaN through
                 raise ValueError(f"{name}={value} must be a positive, finite number")
+        if self.eval_tokens is not None and self.eval_tokens <= 0:
+            raise ValueError(f"eval_tokens={self.eval_tokens} must be positive, or none for the "
+                             f"whole val split")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"betas={self.betas} must be two numbers in [0, 1), e.g. "
                              f"--betas=0.9,0.95 (AdamW's beta1, beta2)")
@@ -398,6 +401,13 @@ def parse_mixture(spec: str, name: str = "data_dir") -> tuple[tuple[str, float],
 EPOCHS_WARNED = 4
 
 
+def eval_windows(cfg: TrainConfig, val_windows: int) -> int:
+    """How many of a val split's `val_windows` windows an evaluation reads: the first
+    eval_tokens' worth, or all of them (eval_tokens none, or a smaller split); at least one."""
+    wanted = val_windows if cfg.eval_tokens is None else cfg.eval_tokens // cfg.seq_len
+    return max(1, min(wanted, val_windows))
+
+
 def data_plan(cfg: TrainConfig, stages: list, tokens_per_epoch: dict[str, int]) -> list[dict]:
     """One row per stage and source: its share, the train tokens it holds (one epoch), and
     the tokens this run reads from it in that stage (the stage's steps before stop_at_step
@@ -587,7 +597,7 @@ def tiny() -> TrainConfig:
     return TrainConfig(model=tiny_model(), data_dir="data/stdlib-4k", out_dir="out/tiny",
                        seq_len=256, micro_batch_size=16, global_batch_tokens=4096,
                        total_steps=300, stop_at_step=300, warmup_steps=30, decay_fraction=0.2,
-                       log_every=10, eval_every=100, eval_tokens=65_536, ckpt_every=100,
+                       log_every=10, eval_every=100, eval_tokens=None, ckpt_every=100,
                        keep_last_ckpts=2, sample_tokens=48)
 
 

@@ -73,6 +73,9 @@ EOS_TOKEN = "<|endoftext|>"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
+# The keys of the val split's documents, a JSON list in stream order: what an outside
+# evaluator scores, and what a benchmark is checked against for contamination.
+VAL_KEYS_FILE = "val_documents.json"
 CHECKED = "checked.json"  # shards already hashed and found good (see check_shards)
 
 LAYOUT_BLOCK = 1 << 16  # mixture positions laid out at once (1 MB of layout)

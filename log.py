@@ -149,6 +149,7 @@ class Start:
     revision: str  # the git revision of the code that runs (code_revision)
     plan: list[dict]  # config.data_plan's rows: each stage's sources, tokens and epochs
     evaluated: dict[str, float]  # the sources with a val split and their shares of val_loss
+    val_windows: dict[str, int]  # the windows of seq_len in each evaluated source's val split
     resumed_from: str | None = None  # the checkpoint this start continues
     resume_changes: list = dataclasses.field(default_factory=list)  # (knob, old, new)
 
@@ -194,6 +195,7 @@ def banner(cfg, start: Start, model, optimizers, schedule: str, flops: dict[str,
            f"not evaluated; val_loss is the mean of "
            + ", ".join(f"{d} × {w:.3g}" for d, w in start.evaluated.items())]
           if unevaluated else []),
+        eval_coverage(cfg, start.val_windows),
         f"hardware: {hardware.world} × {hardware.device} ({hardware.distributed}), "
         f"precision {hardware.precision} (the config's mixed_precision={cfg.mixed_precision}, "
         f"which wins over a launch config's), compile {hardware.compiled}, activation "
@@ -206,6 +208,20 @@ def banner(cfg, start: Start, model, optimizers, schedule: str, flops: dict[str,
         "alone; val_bpb is bits per byte of the target text",
     ]
     return "\n".join(lines)
+
+
+def eval_coverage(cfg, val_windows: dict[str, int]) -> str:
+    """What each evaluation reads, e.g. `eval every 100 steps: all of data/stdlib-4k's val
+    (262 windows of 256 tokens); 67,072 val tokens per evaluation`."""
+    parts, tokens = [], 0
+    for source, total in val_windows.items():
+        n = config.eval_windows(cfg, total)
+        tokens += n * cfg.seq_len
+        parts.append(f"all of {source}'s val ({total:,} windows of {cfg.seq_len:,} tokens)"
+                     if n == total else f"{n:,} of {source}'s {total:,} val windows "
+                                        f"({n / total:.1%})")
+    return (f"eval every {cfg.eval_every:,} steps: {'; '.join(parts)}; {tokens:,} val tokens "
+            f"per evaluation")
 
 
 # ---------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ It writes the format data.py reads, into one directory per corpus:
     data/<name>/train_00000.bin ... raw token ids, uint16 (uint32 if the vocab needs it)
     data/<name>/val_00000.bin ...
     data/<name>/manifest.json       counts, shard list with sha256, tokenizer hash, dtype
+    data/<name>/val_documents.json  the keys of the val split's documents, in stream order
 
 Each split is one stream of token ids with EOS written before every document; a hash of
 each document's name picks its split; the tokenizer is trained on the train split only.
@@ -55,7 +56,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
 from cli import user_errors
-from data import EOS_TOKEN, FORMAT_VERSION, MANIFEST, TOKENIZER_FILE, token_dtype, verify
+from data import (EOS_TOKEN, FORMAT_VERSION, MANIFEST, TOKENIZER_FILE, VAL_KEYS_FILE,
+                  token_dtype, verify)
 
 DEFAULT_SHARD_TOKENS = 2**26  # 128 MiB of uint16 per file
 # The tokenizer's training sample, in characters. nanochat trains on 2B; 1B keeps the
@@ -470,7 +472,8 @@ def write_atomic(path: Path, payload: bytes):
 
 
 class ShardWriter:
-    """Appends one split's documents to `{split}_00000.bin, ...` of shard_tokens ids each."""
+    """Appends one split's documents to `{split}_00000.bin, ...` of shard_tokens ids each.
+    The val split also keeps its documents' keys, written to VAL_KEYS_FILE by finish()."""
 
     def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int):
         self.out_dir, self.split, self.dtype = out_dir, split, dtype
@@ -478,8 +481,11 @@ class ShardWriter:
         self.pending, self.pending_tokens = [], 0
         self.documents = self.tokens = self.bytes = 0
         self.shards = []
+        self.keys = [] if split == "val" else None  # the train split's could be billions
 
-    def add(self, ids: list[int], eos_id: int, text_bytes: int):
+    def add(self, key: str, ids: list[int], eos_id: int, text_bytes: int):
+        if self.keys is not None:
+            self.keys.append(key)
         tokens = np.empty(len(ids) + 1, dtype=self.dtype)
         tokens[0], tokens[1:] = eos_id, ids  # EOS opens the document
         self.pending.append(tokens)
@@ -503,8 +509,12 @@ class ShardWriter:
     def finish(self) -> dict:
         if self.pending_tokens:
             self.flush(self.pending_tokens)
-        return {"documents": self.documents, "tokens": self.tokens, "bytes": self.bytes,
+        info = {"documents": self.documents, "tokens": self.tokens, "bytes": self.bytes,
                 "shards": self.shards}
+        if self.keys is not None:
+            write_atomic(self.out_dir / VAL_KEYS_FILE, json.dumps(self.keys, indent=0).encode())
+            info["keys"] = VAL_KEYS_FILE
+        return info
 
 
 def chunked(docs, max_chars: int):
@@ -550,7 +560,7 @@ def encode_into(tokenizer, docs, writers, val_fraction, eos_id, total_bytes,
                     break
                 n_bytes, point = len(text.encode()), val_point(key)
                 split = "val" if point < val_fraction else "train"
-                writers[split].add(encoding.ids, eos_id, n_bytes)
+                writers[split].add(key, encoding.ids, eos_id, n_bytes)
                 if split == "train":
                     lowest = min(lowest, (point, key))
                 bar.update(n_bytes)

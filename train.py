@@ -203,7 +203,9 @@ def setup(cfg: TrainConfig) -> Run:
         model = shard_model(model, accelerator.device, accelerator.mixed_precision == "bf16",
                             config.reshard_after_forward(os.environ))
     optimizers = optim.build_optimizers(model, cfg)
-    start = log.Start(log.hardware(accelerator, compiled), log.code_revision(), plan, evaluated)
+    val_windows = {d: data.windows_per_epoch(manifests[d], "val", cfg.seq_len) for d in evaluated}
+    start = log.Start(log.hardware(accelerator, compiled), log.code_revision(), plan, evaluated,
+                      val_windows)
     accelerator.print(log.banner(cfg, start, model, optimizers, optim.schedule_summary(cfg),
                                  model_flops(cfg)))
     accelerator.print("\n".join(warnings), end="\n" if warnings else "")
@@ -283,7 +285,7 @@ def evaluate(run: Run, token_bytes: torch.Tensor) -> dict:
 @torch.no_grad()
 def val_loss(cfg: TrainConfig, accelerator, model, token_bytes, data_dir) -> dict:
     """Validation loss (cross-entropy in nats, no z-loss) and bits per byte over the first
-    `eval_tokens` of data_dir's val split (or all of it, if smaller), in a fixed order,
+    `eval_tokens` of data_dir's val split (all of it if smaller, or none), in a fixed order,
     summed across ranks.
 
     Bits per byte = total CE / ln 2 / total UTF-8 bytes of the target tokens: unlike the
@@ -294,7 +296,7 @@ def val_loss(cfg: TrainConfig, accelerator, model, token_bytes, data_dir) -> dic
     # re-read to fill eval_tokens, nor to fill the last global micro-batch. Rows past the
     # last window are padding without targets (-100); every rank still runs each forward,
     # as FSDP2 needs all ranks in every one.
-    n_windows = max(1, min(cfg.eval_tokens // cfg.seq_len, loader.windows_per_epoch))
+    n_windows = config.eval_windows(cfg, loader.windows_per_epoch)
     totals = torch.zeros(3, device=accelerator.device)  # ce nats, tokens, bytes
     model.eval()
     for first in range(0, n_windows, B * world):  # global window index of the batch's row 0

@@ -75,7 +75,7 @@ def speed_worker(cores: int, rounds: int) -> dict:
             start = time.perf_counter()
             for (key, text), encoding in zip(corpus.documents([]), encodings, strict=True):
                 split = "val" if prepare.is_val(key, 0.01) else "train"
-                writers[split].add(encoding.ids, eos, len(text.encode()))
+                writers[split].add(key, encoding.ids, eos, len(text.encode()))
             for writer in writers.values():
                 writer.finish()
             best["serial"] = min(best["serial"], time.perf_counter() - start)

@@ -103,7 +103,8 @@ def make_run(cfg, data_dir: str) -> train.Run:
     stages = [data.Stage(0, ((data_dir, 1.0),))]
     loader = MaskedLoader(stages, cfg.seq_len, cfg.micro_batch_size, accelerator.process_index,
                           accelerator.num_processes, seed=cfg.seed)
-    start = log.Start(log.hardware(accelerator, False), "test", [], {data_dir: 1.0})
+    start = log.Start(log.hardware(accelerator, False), "test", [], {data_dir: 1.0},
+                      {data_dir: 1})
     return train.Run(cfg, accelerator, model, optimizers, loader, stages,
                      {data_dir: data.load_manifest(data_dir)}, start)
 

@@ -6,6 +6,7 @@ tokenizer's ids. Two wrong exports must fail the same logit check."""
 
 import dataclasses
 import json
+import math
 import re
 import subprocess
 import sys
@@ -179,3 +180,40 @@ def test_export_format_hf_writes_the_checkpoint_as_a_transformers_folder(
     assert "Do you wish to run the custom code?" not in done.stdout + done.stderr
     assert "You are using a model of type `stacklm`" not in done.stderr
     assert "def " in done.stdout
+
+
+def test_an_outside_scorer_reproduces_val_bpb_from_the_listed_val_documents(small_data_dir,
+                                                                            tmp_path):
+    """What lm-evaluation-harness needs to score the run's own val text, done here with
+    plain transformers code: the val documents named in val_documents.json, read from the
+    source files and tokenized by the export's tokenizer, laid end to end with EOS before
+    each, cut into windows of seq_len + 1 at stride seq_len; each document's part of a
+    window scored alone (its positions from 0). Bits per byte over every target equals the
+    run's final val_bpb, which covers all of val (eval_tokens none)."""
+    cfg = micro_config(small_data_dir, str(tmp_path), stop_at_step=4, eval_tokens=None)
+    want = train.main(cfg)["val_bpb"]
+    export.main([str(tmp_path), "--format", "hf"])
+    hf, _ = load(tmp_path / "export-hf")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "export-hf",
+                                                           trust_remote_code=True)
+    manifest = json.loads((Path(small_data_dir) / "manifest.json").read_text())
+    keys = json.loads((Path(small_data_dir) / manifest["splits"]["val"]["keys"]).read_text())
+    eos = tokenizer.eos_token_id
+    stream = []
+    for key in keys:  # "<file>.txt:<i>": the i-th document of a file split on EOS text
+        name, i = key.rsplit(":", 1)
+        text = (Path(manifest["source"]) / name).read_text().split(tokenizer.eos_token)[int(i)]
+        stream += [eos] + tokenizer(text, add_special_tokens=False).input_ids
+    symbols = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    nbytes = [0 if i == eos else len(s) for i, s in enumerate(symbols)]  # byte-level BPE
+    T, nats, total_bytes = cfg.seq_len, 0.0, 0
+    for w in range((len(stream) - 1) // T):
+        inputs, targets = stream[w * T:w * T + T], stream[w * T + 1:w * T + T + 1]
+        starts = [0] + [j for j in range(1, T) if inputs[j] == eos] + [T]
+        for a, b in zip(starts, starts[1:]):
+            with torch.no_grad():
+                logits = hf(torch.tensor([inputs[a:b]]), use_cache=False).logits[0]
+            nats += torch.nn.functional.cross_entropy(logits.double(), torch.tensor(
+                targets[a:b]), reduction="sum").item()
+        total_bytes += sum(nbytes[t] for t in targets)
+    assert nats / math.log(2) / total_bytes == pytest.approx(want, abs=1e-4)

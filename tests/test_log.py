@@ -93,7 +93,7 @@ def test_readmes_memory_table_is_the_banners_estimate():
         cfg = config.apply_overrides(preset, dict(re.findall(r"--([\w.]+)=([\w-]+)", overrides)))
         with torch.device("meta"):  # the shapes alone: no memory, no time
             model = Transformer(cfg.model)
-        start = log.Start(hardware, "abc", [], {cfg.data_dir: 1.0})
+        start = log.Start(hardware, "abc", [], {cfg.data_dir: 1.0}, {cfg.data_dir: 10})
         text = log.banner(cfg, start, model, optim.build_optimizers(model, cfg), "schedule",
                           {"causal": 1.0, "palm": 1.0})
         [total] = re.findall(r"^memory estimate per rank: .* = ([\d.]+) GiB", text, re.M)
@@ -140,9 +140,22 @@ def test_banner_names_the_loss_unit_and_what_the_mem_column_measures(device, say
     cfg = config.tiny()
     model = Transformer(cfg.model)
     start = log.Start(log.Hardware(1, device, "NO", "no", False), "abc1234", [],
-                      {cfg.data_dir: 1.0})
+                      {cfg.data_dir: 1.0}, {cfg.data_dir: 262})
     text = log.banner(cfg, start, model, optim.build_optimizers(model, cfg), "schedule",
                       {"causal": 1.0, "palm": 1.0})
     assert "loss: cross-entropy + z-loss in nats per target token" in text
     [line] = [line for line in text.splitlines() if line.startswith("memory estimate per rank")]
     assert says in line
+
+
+def test_the_banner_says_what_an_evaluation_covers():
+    """tiny (eval_tokens none) reads all of its val split; a smaller eval_tokens reads that
+    many whole windows of each source's split, and the banner gives the share."""
+    tiny = config.tiny()
+    assert log.eval_coverage(tiny, {"data/a": 262}) == (
+        "eval every 100 steps: all of data/a's val (262 windows of 256 tokens); 67,072 val "
+        "tokens per evaluation")
+    part = config.apply_overrides(tiny, {"eval_tokens": 65_536})  # 256 windows of 256
+    assert log.eval_coverage(part, {"data/a": 262, "data/b": 100}) == (
+        "eval every 100 steps: 256 of data/a's 262 val windows (97.7%); all of data/b's val "
+        "(100 windows of 256 tokens); 91,136 val tokens per evaluation")

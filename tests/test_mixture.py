@@ -316,6 +316,18 @@ def test_a_begun_stage_cannot_change_and_a_later_one_can(sources, tmp_path, caps
     assert f"resume: data stage from step 5 added: {sources[2]}:1" in capsys.readouterr().out
 
 
+def test_a_stage_that_has_not_begun_may_be_edited_and_the_run_says_so():
+    """README: a stage that begins at the resume step or later may be added **or edited**.
+    Saved: a then b from step 6; resumed at step 4 with c from step 6: not refused, and the
+    line names the edit as a change (an added stage says "added")."""
+    saved = [[0, [["a", 1.0]]], [6, [["b", 1.0]]]]
+    ours = [(0, (("a", 1.0),)), (6, (("c", 1.0),))]
+    assert config.check_stages(saved, ours, 4) == ["resume: data stage from step 6 changed: c:1"]
+    assert config.check_stages(saved, ours, 6) == ["resume: data stage from step 6 changed: c:1"]
+    with pytest.raises(ValueError, match="the stage from step 6: b:1 → c:1"):
+        config.check_stages(saved, ours, 7)  # begun at 6: refused
+
+
 def test_a_checkpoint_from_before_mixtures_resumes_as_a_mixture_of_one(small_data_dir,
                                                                        tmp_path):
     cfg = micro_config(small_data_dir, str(tmp_path), stop_at_step=4)

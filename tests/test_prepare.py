@@ -40,6 +40,18 @@ def test_shards_decode_back_to_the_source_documents(prepared, corpus):
     assert any(EOS_TOKEN in t for t in decoded["train"] + decoded["val"])
 
 
+def test_the_val_documents_are_on_record_by_key_in_stream_order(prepared, corpus):
+    """val_documents.json (named in the manifest) lists the key of every val document, in
+    the order of the val stream: the file each key names is the document decoded there."""
+    manifest = data.load_manifest(prepared)
+    keys = json.loads((prepared / manifest["splits"]["val"]["keys"]).read_text())
+    tokenizer = Tokenizer.from_file(data.tokenizer_path(prepared))
+    docs = documents_of(stream(prepared, "val"), manifest["eos_id"])
+    assert len(keys) == manifest["splits"]["val"]["documents"] >= 2
+    assert [tokenizer.decode(d, skip_special_tokens=False) for d in docs] == \
+        [(corpus[0] / key).read_text(encoding="utf-8") for key in keys]
+
+
 def test_manifest_records_shards_tokenizer_and_skips(prepared):
     manifest = data.load_manifest(prepared)
     assert manifest["format_version"] == data.FORMAT_VERSION
