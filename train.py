@@ -193,8 +193,8 @@ def setup(cfg: TrainConfig) -> Run:
         loader = data.MixtureLoader(stages, cfg.seq_len, cfg.micro_batch_size,
                                     accelerator.process_index, accelerator.num_processes,
                                     seed=cfg.seed)
-        for source in evaluated:
-            data.PackedShardLoader(source, "val", cfg.seq_len, cfg.micro_batch_size)
+        val_windows = {d: data.PackedShardLoader(d, "val", cfg.seq_len, 1).windows_per_epoch
+                       for d in evaluated}
     compiled = use_compile(cfg)
     model = build_model(cfg, compiled)
     if accelerator.distributed_type == DistributedType.FSDP:
@@ -203,7 +203,6 @@ def setup(cfg: TrainConfig) -> Run:
         model = shard_model(model, accelerator.device, accelerator.mixed_precision == "bf16",
                             config.reshard_after_forward(os.environ))
     optimizers = optim.build_optimizers(model, cfg)
-    val_windows = {d: data.windows_per_epoch(manifests[d], "val", cfg.seq_len) for d in evaluated}
     start = log.Start(log.hardware(accelerator, compiled), log.code_revision(), plan, evaluated,
                       val_windows)
     accelerator.print(log.banner(cfg, start, model, optimizers, optim.schedule_summary(cfg),
@@ -269,8 +268,7 @@ def train_step(run: Run, stop: checkpoint.StopFlag) -> StepResult:
 
 def evaluate(run: Run, token_bytes: torch.Tensor) -> dict:
     """Every evaluated source's val loss and bits per byte (`val_loss/<data_dir>`), and the
-    mixture's: their mean under fixed shares (run.start.evaluated, data.val_shares), the same
-    weights for the whole run, so the curve stays comparable across a stage switch."""
+    mixture's: their mean under shares fixed for the whole run (data.val_shares)."""
     metrics = {}
     for source in run.start.evaluated:
         result = val_loss(run.cfg, run.accelerator, run.model, token_bytes, source)
