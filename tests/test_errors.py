@@ -64,10 +64,11 @@ BAD_TOML = [
 ]
 
 
-def run_cli(argv, capsys) -> str:
-    """train.cli's exit status must be 2 and its stderr exactly one `error:` line."""
+def run_cli(argv, capsys, command=None) -> str:
+    """The command's (train.cli's unless given) exit status must be 2 and its stderr exactly
+    one `error:` line."""
     with pytest.raises(SystemExit) as exit_:
-        train.cli(argv)
+        (command or train.cli)(argv)
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err

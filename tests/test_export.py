@@ -19,6 +19,7 @@ import sample
 import train
 from conftest import copy_of, micro_config
 from model import KVCache, Transformer, complete
+from test_errors import run_cli
 from test_train import REPO, checkpoint_weights
 
 # Shape knobs the `tiny` preset does not have: a rope_theta no default shares, and NoPE on
@@ -32,16 +33,6 @@ def logits(model, ids: list[int]) -> torch.Tensor:
     """(1, T, V) next-token logits of one row, through the model's cached forward."""
     with torch.no_grad():
         return model.forward_cached(torch.tensor([ids]), 0, [KVCache() for _ in model.blocks])
-
-
-def export_error(argv, capsys) -> str:
-    """export.py's exit status must be 2 and its stderr exactly one `error:` line."""
-    with pytest.raises(SystemExit) as exit_:
-        export.main(argv)
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
-    return err
 
 
 def trained_model(cfg, step: int) -> Transformer:
@@ -114,7 +105,7 @@ def test_a_re_prepared_data_dir_cannot_slip_in_another_tokenizer(trained, prepar
     original = data_dir.with_name("original")
     shutil.move(data_dir, original)
     shutil.copytree(prepared, data_dir)  # another corpus, prepared at the same path
-    err = export_error([trained.out_dir], capsys)
+    err = run_cli([trained.out_dir], capsys, export.main)
     assert f"{data_dir / 'tokenizer.json'} is not the tokenizer" in err
     assert "--data_dir a copy" in err
     # the fix the message names: point --data_dir at the original data
@@ -125,7 +116,7 @@ def test_a_re_prepared_data_dir_cannot_slip_in_another_tokenizer(trained, prepar
 
 def test_missing_data_is_one_line(trained, capsys):
     shutil.rmtree(trained.data_dir)
-    err = export_error([trained.out_dir], capsys)
+    err = run_cli([trained.out_dir], capsys, export.main)
     assert f"data directory {trained.data_dir} does not exist" in err
 
 
@@ -136,7 +127,7 @@ def test_a_damaged_checkpoint_is_one_line(trained, capsys, damage):
     files = step8.glob("*.distcp") if damage == "weights" else [step8 / "train_state.json"]
     for path in files:
         path.write_bytes(path.read_bytes()[:100])  # truncated
-    err = export_error([trained.out_dir], capsys)
+    err = run_cli([trained.out_dir], capsys, export.main)
     assert err.startswith(f"error: {step8}")
 
 
