@@ -445,7 +445,9 @@ def test_val_is_about_one_percent_picked_by_name_so_new_files_move_no_document(p
 def test_val_fraction_zero_makes_no_val_split_and_says_so(prepared, corpus, tmp_path, capsys):
     manifest = prepare.prepare(str(corpus[0]), str(tmp_path / "no_val"), val_fraction=0.0,
                                tokenizer=str(prepared / "tokenizer.json"))
-    assert manifest["splits"]["val"] == {"documents": 0, "tokens": 0, "bytes": 0, "shards": []}
+    assert manifest["splits"]["val"] == {"documents": 0, "tokens": 0, "bytes": 0, "shards": [],
+                                         "keys": data.VAL_KEYS_FILE}
+    assert json.loads((tmp_path / "no_val" / data.VAL_KEYS_FILE).read_text()) == []
     assert manifest["splits"]["train"]["documents"] == len(corpus[1])  # every document
     assert "data: warning: --val_fraction=0 makes no val split" in capsys.readouterr().out
 
