@@ -391,19 +391,19 @@ def parquet_documents(path: Path, key: str, text_field: str, skipped: list):
     import pyarrow.parquet
 
     try:
-        parquet = pyarrow.parquet.ParquetFile(path)
-        schema = parquet.schema_arrow
-        if text_field not in schema.names or not is_text(schema.field(text_field).type):
-            columns = ", ".join(f"{field.name} ({field.type})" for field in schema)
-            raise ValueError(f"{path} has no text column {text_field!r} (its columns: "
-                             f"{columns}); pass --text_field naming the column of documents")
-        batches = parquet.iter_batches(PARQUET_BATCH_ROWS, columns=[text_field])
-        rows = (text for batch in batches for text in batch.column(0).to_pylist())
-        for row, document in enumerate(rows):
-            if document is None:
-                skipped.append({"file": f"{path}:{row}", "reason": f"{text_field!r} is null"})
-                continue
-            yield f"{key}:{row}", document
+        with pyarrow.parquet.ParquetFile(path) as parquet:
+            schema = parquet.schema_arrow
+            if text_field not in schema.names or not is_text(schema.field(text_field).type):
+                columns = ", ".join(f"{field.name} ({field.type})" for field in schema)
+                raise ValueError(f"{path} has no text column {text_field!r} (its columns: "
+                                 f"{columns}); pass --text_field naming the column of documents")
+            batches = parquet.iter_batches(PARQUET_BATCH_ROWS, columns=[text_field])
+            rows = (text for batch in batches for text in batch.column(0).to_pylist())
+            for row, document in enumerate(rows):
+                if document is None:
+                    skipped.append({"file": f"{path}:{row}", "reason": f"{text_field!r} is null"})
+                    continue
+                yield f"{key}:{row}", document
     except pyarrow.ArrowException as e:
         skipped.append({"file": str(path), "reason": f"{type(e).__name__}: {e}"})
 

@@ -225,9 +225,10 @@ def corpus_order(item):
 def test_a_parquet_file_is_read_in_batches_across_its_row_groups(tmp_path, monkeypatch):
     """Ten rows in four row groups of 3, read 2 rows at a time: batches straddle the groups,
     and every row comes out once, in order, numbered across the file."""
+    import pyarrow.parquet
+
     texts = [f"row {i}" for i in range(10)]
     write_parquet(tmp_path / "f.parquet", texts, row_group_size=3)
-    import pyarrow.parquet
     assert pyarrow.parquet.ParquetFile(tmp_path / "f.parquet").num_row_groups == 4
     monkeypatch.setattr(prepare, "PARQUET_BATCH_ROWS", 2)
     got = list(prepare.parquet_documents(tmp_path / "f.parquet", "f.parquet", "text", []))
@@ -333,9 +334,10 @@ def write_hub_layout(root: Path) -> dict:
 def test_a_hub_dataset_streams_through_load_dataset_with_its_subset_and_split(
         tmp_path, monkeypatch, offline_datasets):
     """README's `--source org/name --subset S --split X` through the real load_dataset,
-    streaming. A local folder never reaches that call (find_source reads a folder as
-    files), so the hub name alone is pointed at a local copy of a repository; the call's
-    arguments are prepare's own, and the documents are the texts of that subset's split."""
+    streaming. A local folder never reaches that call (find_source reads a folder as files,
+    and hf_documents sends one to load_from_disk), so the hub name alone is pointed at a
+    local copy of a repository: the call's arguments are prepare's own, and the documents
+    are the texts of that subset's split."""
     texts = write_hub_layout(tmp_path / "hub")
     real_load, calls = offline_datasets.load_dataset, []
 
