@@ -71,8 +71,8 @@ ENCODE_CHUNK_CHARS = 4 << 20  # text handed to the parallel encoder at once
 # other cores busy. Each holds ~4M characters and their encodings: memory stays bounded.
 ENCODE_CHUNKS_IN_FLIGHT = 3
 READ_CHARS = 1 << 20  # a .txt file is read and split this much at a time
-# A .parquet file is read this many rows of its text column at a time: FineWeb-Edu's row
-# groups hold far more documents than memory should.
+# A .parquet file's text column is read a row group at a time and handed on this many rows
+# at a time, as Python strings.
 PARQUET_BATCH_ROWS = 1024
 # A --source with one of these suffixes is a file path, never a hub name.
 LOCAL_SUFFIXES = {".txt", ".jsonl", ".json", ".parquet", ".py", ".md"}
@@ -384,14 +384,17 @@ def jsonl_documents(path: Path, key: str, text_field: str, skipped: list):
 
 def parquet_documents(path: Path, key: str, text_field: str, skipped: list):
     """Row N (from 0, across the file's row groups) is document `key:N`. Only the text
-    column is read, PARQUET_BATCH_ROWS rows at a time. A file without that column is refused:
-    in a folder of shards, the first such file means --text_field is wrong for all of them.
-    A file pyarrow cannot read is skipped (from the bad row group on), and so is a null row."""
+    column is read, a row group at a time, and handed on PARQUET_BATCH_ROWS rows at a time:
+    memory holds the larger of one group and one batch, never the file's column. A file
+    without that column is refused: in a folder of shards, the first such file means
+    --text_field is wrong for all of them. A file pyarrow cannot read is skipped (from the
+    bad row group on), and so is a null row."""
     import pyarrow  # optional: check_parquet_reader refused a parquet source without it
     import pyarrow.parquet
 
     try:
-        with pyarrow.parquet.ParquetFile(path) as parquet:
+        # pre_buffer (pyarrow's default) would read the whole file's column before row 0
+        with pyarrow.parquet.ParquetFile(path, pre_buffer=False) as parquet:
             schema = parquet.schema_arrow
             if text_field not in schema.names or not is_text(schema.field(text_field).type):
                 columns = ", ".join(f"{field.name} ({field.type})" for field in schema)

@@ -3,6 +3,7 @@ and the manifest against the source documents, and every kind of source and bad 
 
 import hashlib
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -233,6 +234,20 @@ def test_a_parquet_file_is_read_in_batches_across_its_row_groups(tmp_path, monke
     monkeypatch.setattr(prepare, "PARQUET_BATCH_ROWS", 2)
     got = list(prepare.parquet_documents(tmp_path / "f.parquet", "f.parquet", "text", []))
     assert got == [(f"f.parquet:{i}", t) for i, t in enumerate(texts)]
+
+
+def test_a_parquet_file_is_held_a_row_group_at_a_time_never_whole(tmp_path):
+    """pyarrow's own count of the bytes it holds, read at every row: sixteen row groups of
+    ~100 KB of text that does not compress; reading never holds half the file's text."""
+    import pyarrow
+
+    rng = random.Random(0)
+    texts = [rng.randbytes(50).hex() for _ in range(16 * 1024)]
+    write_parquet(tmp_path / "f.parquet", texts, row_group_size=1024)
+    before, held = pyarrow.total_allocated_bytes(), 0
+    for _ in prepare.parquet_documents(tmp_path / "f.parquet", "f.parquet", "text", []):
+        held = max(held, pyarrow.total_allocated_bytes() - before)
+    assert 0 < held < sum(map(len, texts)) / 2, held
 
 
 def test_parquet_sources_as_a_glob_a_folder_and_a_single_file(tmp_path):
