@@ -2,6 +2,7 @@
 
     python prepare.py                                  # the built-in corpus -> data/stdlib-32k
     python prepare.py --source "corpus/*.txt" --data_dir data/mycorpus
+    python prepare.py --source "shards/*.parquet" --data_dir data/shards  # needs pyarrow
     python prepare.py --source HuggingFaceFW/fineweb-edu --subset sample-10BT \
         --max_tokens 2_000_000_000 --data_dir data/fwe # a bounded slice of a streamed dataset
     python prepare.py --verify data/mycorpus           # sha256 of every shard and the tokenizer
@@ -21,11 +22,12 @@ Each split is one stream of token ids with EOS written before every document; a 
 each document's name picks its split; the tokenizer is trained on the train split only.
 
 Bounded. Memory does not grow with the corpus: sources are streamed (a .jsonl or .txt file
-line by line or in pieces, a Hugging Face dataset row by row), the tokenizer is trained on
-the first `tokenizer_chars` characters of the train split (nanochat's bounded sample), and
-`max_tokens` stops a source after that many training tokens. Encoding runs the library's
-parallel batch encoder on several chunks at once while this thread reads the next
-documents and writes shards, so no core waits for the others' tail.
+line by line or in pieces, a .parquet file a batch of rows of its text column at a time, a
+Hugging Face dataset row by row), the tokenizer is trained on the first `tokenizer_chars`
+characters of the train split (nanochat's bounded sample), and `max_tokens` stops a source
+after that many training tokens. Encoding runs the library's parallel batch encoder on
+several chunks at once while this thread reads the next documents and writes shards, so no
+core waits for the others' tail.
 
 Safe. Everything is written into `<out>.tmp` and renamed to `<out>` when complete, so an
 interrupted run leaves no directory that data.py would read, and a prepared directory (or
@@ -69,7 +71,11 @@ ENCODE_CHUNK_CHARS = 4 << 20  # text handed to the parallel encoder at once
 # other cores busy. Each holds ~4M characters and their encodings: memory stays bounded.
 ENCODE_CHUNKS_IN_FLIGHT = 3
 READ_CHARS = 1 << 20  # a .txt file is read and split this much at a time
-TEXT_SUFFIXES = {".txt", ".jsonl", ".json", ".py", ".md"}  # a --source with one is a path
+# A .parquet file's text column is read a row group at a time and handed on this many rows
+# at a time, as Python strings.
+PARQUET_BATCH_ROWS = 1024
+# A --source with one of these suffixes is a file path, never a hub name.
+LOCAL_SUFFIXES = {".txt", ".jsonl", ".json", ".parquet", ".py", ".md"}
 
 
 # ---------------------------------------------------------------------------------------
@@ -91,6 +97,7 @@ def prepare(source=None, out_dir=None, vocab_size=32768, tokenizer=None, text_fi
     out_dir = Path(out_dir or builtin_data_dir(vocab_size))
     check_numbers(vocab_size, shard_tokens, val_fraction, max_tokens, tokenizer_chars)
     root, files = find_source(source)
+    check_parquet_reader(files)
     check_out_dir(out_dir, Path(source) if source and Path(source).is_dir() else None)
     reused = check_reused_tokenizer(tokenizer) if tokenizer else None
     source_name = source or f"stdlib:{root}"
@@ -306,7 +313,15 @@ def looks_local(source: str) -> bool:
     """A path, not a hub name: hub names are `name` or `org/name`, never absolute, never
     starting with . or ~, never with a backslash, two slashes or a text file's suffix."""
     return (Path(source).is_absolute() or source.startswith((".", "~")) or "\\" in source
-            or source.count("/") > 1 or Path(source).suffix in TEXT_SUFFIXES)
+            or source.count("/") > 1 or Path(source).suffix in LOCAL_SUFFIXES)
+
+
+def check_parquet_reader(files: list[Path]):
+    """pyarrow is optional, as `datasets` is: a source with .parquet files needs it, and is
+    refused without it before any work."""
+    if any(p.suffix == ".parquet" for p in files) and importlib.util.find_spec("pyarrow") is None:
+        raise ValueError("--source holds .parquet files, and reading them needs the optional "
+                         "`pyarrow` package, which is not installed; `pip install pyarrow`")
 
 
 @dataclass(frozen=True)
@@ -335,13 +350,16 @@ class Corpus:
 
 def file_documents(path: Path, root: Path, text_field: str, skipped: list):
     """Yield (key, text) for one file: a .jsonl holds one document per line (in text_field),
-    a .txt holds documents separated by EOS_TOKEN, any other file is one document. The
-    first two are streamed, so a file larger than memory is fine. Unreadable or non-UTF-8
-    input is recorded in `skipped`, not fatal (in a .txt, from the bad byte on)."""
+    a .parquet one per row (in its column text_field), a .txt documents separated by
+    EOS_TOKEN, any other file is one document. The first three are streamed, so a file
+    larger than memory is fine. Unreadable or non-UTF-8 input is recorded in `skipped`, not
+    fatal (in a .txt, from the bad byte on)."""
     key = path.relative_to(root).as_posix()
     try:
         if path.suffix == ".jsonl":
             yield from jsonl_documents(path, key, text_field, skipped)
+        elif path.suffix == ".parquet":
+            yield from parquet_documents(path, key, text_field, skipped)
         elif path.suffix == ".txt":
             yield from txt_documents(path, key)
         else:
@@ -362,6 +380,43 @@ def jsonl_documents(path: Path, key: str, text_field: str, skipped: list):
                                 "reason": f"not a JSON object with a string {text_field!r}"})
                 continue
             yield f"{key}:{line_number}", document
+
+
+def parquet_documents(path: Path, key: str, text_field: str, skipped: list):
+    """Row N (from 0, across the file's row groups) is document `key:N`. Only the text
+    column is read, a row group at a time, and handed on PARQUET_BATCH_ROWS rows at a time:
+    memory holds the larger of one group and one batch, never the file's column. A file
+    without that column is refused: in a folder of shards, the first such file means
+    --text_field is wrong for all of them. A file pyarrow cannot read is skipped (from the
+    bad row group on), and so is a null row."""
+    import pyarrow  # optional: check_parquet_reader refused a parquet source without it
+    import pyarrow.parquet
+
+    try:
+        # pre_buffer (pyarrow's default) would read the whole file's column before row 0
+        with pyarrow.parquet.ParquetFile(path, pre_buffer=False) as parquet:
+            schema = parquet.schema_arrow
+            if text_field not in schema.names or not is_text(schema.field(text_field).type):
+                columns = ", ".join(f"{field.name} ({field.type})" for field in schema)
+                raise ValueError(f"{path} has no text column {text_field!r} (its columns: "
+                                 f"{columns}); pass --text_field naming the column of documents")
+            batches = parquet.iter_batches(PARQUET_BATCH_ROWS, columns=[text_field])
+            rows = (text for batch in batches for text in batch.column(0).to_pylist())
+            for row, document in enumerate(rows):
+                if document is None:
+                    skipped.append({"file": f"{path}:{row}", "reason": f"{text_field!r} is null"})
+                    continue
+                yield f"{key}:{row}", document
+    except pyarrow.ArrowException as e:
+        skipped.append({"file": str(path), "reason": f"{type(e).__name__}: {e}"})
+
+
+def is_text(arrow_type) -> bool:
+    """An arrow string column, in any of its three layouts."""
+    from pyarrow import types
+
+    return types.is_string(arrow_type) or types.is_large_string(arrow_type) or \
+        types.is_string_view(arrow_type)
 
 
 def txt_documents(path: Path, key: str):
@@ -581,9 +636,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         description="Prepare token shards for stacklm (default: the Python standard "
                     "library's .py files, no download), or verify a prepared directory.")
-    parser.add_argument("--source", help="a directory of text files, a file (.txt, .jsonl or "
-                        "other text), a quoted glob, or a Hugging Face dataset name or "
-                        "save_to_disk directory (needs `datasets`); default: built-in corpus")
+    parser.add_argument("--source", help="a directory of files, a file (.txt, .jsonl, "
+                        ".parquet (needs `pyarrow`) or other text), a quoted glob, or a Hugging "
+                        "Face dataset name or save_to_disk directory (needs `datasets`); "
+                        "default: built-in corpus")
     parser.add_argument("--data_dir", "--out", dest="out", metavar="DIR",
                         help="the directory to prepare, train.py's --data_dir (--out is the same "
                              "flag; default for the built-in corpus: "
@@ -593,8 +649,8 @@ def main(argv=None):
     parser.add_argument("--tokenizer", help="reuse this tokenizer.json instead of training one, "
                         "so corpora share a vocabulary (default: train one)")
     parser.add_argument("--text_field", default="text",
-                        help="field holding the text in .jsonl lines and datasets (default "
-                             "text)")
+                        help="field holding the text in .jsonl lines, .parquet columns and "
+                             "datasets (default text)")
     parser.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS,
                         help=f"tokens per shard file (default {DEFAULT_SHARD_TOKENS:,})")
     parser.add_argument("--val_fraction", type=float, default=0.01,

@@ -2,11 +2,10 @@
 and the manifest against the source documents, and every kind of source and bad input."""
 
 import hashlib
-import importlib.machinery
 import json
+import random
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -178,41 +177,206 @@ def test_jsonl_source_reads_the_text_field_and_skips_bad_lines(tmp_path):
     assert [s["file"] for s in manifest["skipped_files"]] == [f"{source}:3", f"{source}:4"]
 
 
-def fake_datasets(rows):
-    """A stand-in for the optional `datasets` package: these tests must run offline."""
-    module = types.ModuleType("datasets")
-    module.__spec__ = importlib.machinery.ModuleSpec("datasets", None)
-    module.calls = []
+# --- parquet, read by pyarrow ----------------------------------------------------------
 
-    def load_dataset(path, name=None, split=None, streaming=False):  # datasets' signature
-        module.calls.append(("load_dataset", path, name, split, streaming))
-        return iter(rows)
+def write_parquet(path: Path, texts: list, row_group_size: int = 3):
+    """A parquet file as the hub publishes them: the text column beside others, in several
+    row groups."""
+    import pyarrow
+    import pyarrow.parquet
 
-    def load_from_disk(path):
-        module.calls.append(("load_from_disk", path))
-        return {"train": list(rows)}  # a DatasetDict is a dict of splits
-
-    module.load_dataset, module.load_from_disk = load_dataset, load_from_disk
-    return module
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pyarrow.table({"id": list(range(len(texts))), "text": texts})
+    pyarrow.parquet.write_table(table, path, row_group_size=row_group_size)
 
 
-def test_hugging_face_sources_stream_through_the_lazy_import(tmp_path, monkeypatch):
-    rows = [{"text": f"row {i}: the quick brown fox"} for i in range(6)]
-    fake = fake_datasets(rows)
-    monkeypatch.setitem(sys.modules, "datasets", fake)
-    manifest = prepare.prepare("someone/tiny-corpus", str(tmp_path / "hub"), vocab_size=300,
-                            val_fraction=0.0)
-    assert manifest["splits"]["train"]["documents"] == 6
-    assert ("load_dataset", "someone/tiny-corpus", None, "train", True) in fake.calls
-    saved = tmp_path / "saved"
-    saved.mkdir()
-    (saved / "dataset_dict.json").write_text("{}")
-    manifest = prepare.prepare(str(saved), str(tmp_path / "disk"), vocab_size=300, val_fraction=0.0)
-    assert manifest["splits"]["train"]["documents"] == 6
-    assert ("load_from_disk", str(saved)) in fake.calls
-    with pytest.raises(ValueError, match="no field 'body'"):
-        prepare.prepare("someone/tiny-corpus", str(tmp_path / "f"), vocab_size=300,
-                        text_field="body")
+def test_parquet_rows_are_documents_keyed_by_file_and_row(tmp_path):
+    """A folder mixing .parquet, .jsonl and .txt: the shards decode back to exactly the
+    texts written, in corpus order; every val key names the row (from 0, across row
+    groups) that was decoded; a null row and a file that is not parquet are skipped."""
+    root = tmp_path / "mixed"
+    written = {}  # key -> text: the oracle
+    for name in ("a.parquet", "shards/b.parquet"):
+        texts = [f"{name} row {i}: " + "lorem ipsum " * (i % 4) for i in range(14)]
+        texts[5] = None  # skipped, yet counted: row 6 is still key :6
+        write_parquet(root / name, texts)
+        written |= {f"{name}:{i}": t for i, t in enumerate(texts) if t is not None}
+    (root / "c.jsonl").write_text(json.dumps({"text": "a json line"}) + "\n")
+    (root / "d.txt").write_text(f"first text{EOS_TOKEN}second text")
+    written |= {"c.jsonl:1": "a json line", "d.txt:0": "first text", "d.txt:1": "second text"}
+    (root / "e.parquet").write_bytes(b"not parquet at all")
+    out = tmp_path / "out"
+    manifest = prepare.prepare(str(root), str(out), vocab_size=300, val_fraction=0.3)
+    train, val = decoded_documents(out, "train"), decoded_documents(out, "val")
+    val_keys = json.loads((out / manifest["splits"]["val"]["keys"]).read_text())
+    assert [written[k] for k in val_keys] == val and len(val) >= 3
+    assert train == [t for k, t in sorted(written.items(), key=corpus_order)
+                     if k not in val_keys]
+    assert [s["file"] for s in manifest["skipped_files"]] == \
+        [f"{root / 'a.parquet'}:5", f"{root / 'e.parquet'}", f"{root / 'shards/b.parquet'}:5"]
+    assert "ArrowInvalid" in manifest["skipped_files"][1]["reason"]
+
+
+def corpus_order(item):
+    """Files in sorted path order, then documents in file order."""
+    path, index = item[0].rsplit(":", 1)
+    return path, int(index)
+
+
+def test_a_parquet_file_is_read_in_batches_across_its_row_groups(tmp_path, monkeypatch):
+    """Ten rows in four row groups of 3, read 2 rows at a time: batches straddle the groups,
+    and every row comes out once, in order, numbered across the file."""
+    import pyarrow.parquet
+
+    texts = [f"row {i}" for i in range(10)]
+    write_parquet(tmp_path / "f.parquet", texts, row_group_size=3)
+    assert pyarrow.parquet.ParquetFile(tmp_path / "f.parquet").num_row_groups == 4
+    monkeypatch.setattr(prepare, "PARQUET_BATCH_ROWS", 2)
+    got = list(prepare.parquet_documents(tmp_path / "f.parquet", "f.parquet", "text", []))
+    assert got == [(f"f.parquet:{i}", t) for i, t in enumerate(texts)]
+
+
+def test_a_parquet_file_is_held_a_row_group_at_a_time_never_whole(tmp_path):
+    """pyarrow's own count of the bytes it holds, read at every row: sixteen row groups of
+    ~100 KB of text that does not compress; reading never holds half the file's text."""
+    import pyarrow
+
+    rng = random.Random(0)
+    texts = [rng.randbytes(50).hex() for _ in range(16 * 1024)]  # 100 characters each
+    write_parquet(tmp_path / "f.parquet", texts, row_group_size=1024)
+    before, held = pyarrow.total_allocated_bytes(), 0
+    for _ in prepare.parquet_documents(tmp_path / "f.parquet", "f.parquet", "text", []):
+        held = max(held, pyarrow.total_allocated_bytes() - before)
+    assert 0 < held < 16 * 1024 * 100 / 2, held
+
+
+def test_parquet_sources_as_a_glob_a_folder_and_a_single_file(tmp_path):
+    root = tmp_path / "shards"
+    for n in range(2):
+        write_parquet(root / f"{n:03d}.parquet", [f"shard {n} row {i}" for i in range(4)])
+    folder = source_documents(root)
+    assert source_documents(root / "*.parquet") == folder
+    assert [k for k, _ in folder] == [f"{n:03d}.parquet:{i}" for n in range(2) for i in range(4)]
+    single = root / "001.parquet"
+    assert list(prepare.Corpus(str(single), *prepare.find_source(str(single)), "text")
+                .documents([])) == folder[4:]
+    with pytest.raises(FileNotFoundError, match="nowhere.parquet: no such file"):
+        prepare.prepare("nowhere.parquet", str(tmp_path / "o"))  # a path, not a hub name
+
+
+def test_a_parquet_file_without_the_text_column_is_refused_naming_its_columns(tmp_path,
+                                                                                capsys):
+    write_parquet(tmp_path / "s" / "f.parquet", ["some text", "more text"])
+    for field, kind in (("body", "no such column"), ("id", "a column of numbers")):
+        with pytest.raises(SystemExit) as exit_info:
+            prepare.main(["--source", str(tmp_path / "s"), "--data_dir", str(tmp_path / "o"),
+                          "--text_field", field])
+        assert exit_info.value.code == 2, kind
+        stderr = capsys.readouterr().err
+        assert stderr.count("\n") == 1 and "--text_field" in stderr, kind
+        assert f"{tmp_path / 's' / 'f.parquet'} has no text column {field!r} (its columns: " \
+               f"id (int64), text (string))" in stderr, kind
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.tmp").exists()
+
+
+def test_a_parquet_source_without_pyarrow_says_how_to_install(tmp_path, monkeypatch, capsys):
+    write_parquet(tmp_path / "s" / "f.parquet", ["some text"])
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import fails as if not installed
+    with pytest.raises(SystemExit):
+        prepare.main(["--source", str(tmp_path / "s" / "*.parquet"), "--data_dir",
+                      str(tmp_path / "o")])
+    stderr = capsys.readouterr().err
+    assert stderr.count("\n") == 1 and "`pip install pyarrow`" in stderr
+    assert not (tmp_path / "o").exists()  # refused before any work
+
+
+# --- Hugging Face datasets, read by the real library, offline ---------------------------
+
+@pytest.fixture
+def offline_datasets(tmp_path, monkeypatch):
+    """The real `datasets`, kept off the network and out of the user's cache. Both libraries
+    read the offline switches once, at import, so the flags are set on them as well."""
+    import datasets
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    return datasets
+
+
+def test_save_to_disk_folders_a_dataset_and_a_dataset_dicts_split(tmp_path, offline_datasets):
+    datasets = offline_datasets
+    texts = {split: [f"{split} row {i}: the quick brown fox" for i in range(6)]
+             for split in ("train", "validation")}
+    flat = tmp_path / "flat"
+    datasets.Dataset.from_dict({"id": list(range(6)), "text": texts["train"]}).save_to_disk(flat)
+    prepare.prepare(str(flat), str(tmp_path / "o1"), vocab_size=300, val_fraction=0.0)
+    assert decoded_documents(tmp_path / "o1", "train") == texts["train"]
+    split_dict = tmp_path / "dict"
+    datasets.DatasetDict({split: datasets.Dataset.from_dict({"text": rows})
+                          for split, rows in texts.items()}).save_to_disk(split_dict)
+    prepare.main(["--source", str(split_dict), "--split", "validation", "--data_dir",
+                  str(tmp_path / "o2"), "--vocab_size", "300", "--val_fraction", "0"])
+    assert decoded_documents(tmp_path / "o2", "train") == texts["validation"]
+    with pytest.raises(ValueError, match=r"has no split 'test' \(it has \['train', "
+                                         r"'validation'\]\); pass --split"):
+        prepare.prepare(str(split_dict), str(tmp_path / "o3"), split="test")
+    with pytest.raises(ValueError, match=r"no field 'body' \(fields: \['id', 'text'\]\); "
+                                         r"pass --text_field"):
+        prepare.prepare(str(flat), str(tmp_path / "o4"), text_field="body")
+
+
+def write_hub_layout(root: Path) -> dict:
+    """A dataset repository as huggingface_hub leaves it on disk: parquet files and a
+    README whose `configs` name each subset's files by split (FineWeb-Edu's layout)."""
+    texts = {(None, "train"): [f"default row {i}" for i in range(5)],
+             ("sample-10BT", "train"): [f"sample train row {i}" for i in range(7)],
+             ("sample-10BT", "validation"): [f"sample validation row {i}" for i in range(8)]}
+    for (subset, split), rows in texts.items():
+        write_parquet(root / (subset or "data") / f"{split}-000.parquet", rows)
+    (root / "README.md").write_text(
+        "---\nconfigs:\n- config_name: default\n  data_files:\n"
+        "  - split: train\n    path: data/train-*.parquet\n"
+        "- config_name: sample-10BT\n  data_files:\n"
+        "  - split: train\n    path: sample-10BT/train-*.parquet\n"
+        "  - split: validation\n    path: sample-10BT/validation-*.parquet\n---\n")
+    return texts
+
+
+def test_a_hub_dataset_streams_through_load_dataset_with_its_subset_and_split(
+        tmp_path, monkeypatch, offline_datasets):
+    """README's `--source org/name --subset S --split X` through the real load_dataset,
+    streaming. A local folder never reaches that call (find_source reads a folder as files,
+    and hf_documents sends one to load_from_disk), so the hub name alone is pointed at a
+    local copy of a repository: the call's arguments are prepare's own, and the documents
+    are the texts of that subset's split."""
+    texts = write_hub_layout(tmp_path / "hub")
+    real_load, calls = offline_datasets.load_dataset, []
+
+    def load_from_local_copy(path, **kwargs):
+        calls.append((path, kwargs))
+        return real_load(str(tmp_path / "hub"), **kwargs)
+
+    monkeypatch.setattr(offline_datasets, "load_dataset", load_from_local_copy)
+    prepare.main(["--source", "someone/corpus", "--subset", "sample-10BT", "--split",
+                  "validation", "--data_dir", str(tmp_path / "o1"), "--vocab_size", "300",
+                  "--val_fraction", "0.3"])
+    assert calls == [("someone/corpus", {"name": "sample-10BT", "split": "validation",
+                                         "streaming": True})] * 3  # probe, sample, encode
+    expected = texts[("sample-10BT", "validation")]
+    manifest = data.load_manifest(tmp_path / "o1")
+    val_keys = json.loads((tmp_path / "o1" / manifest["splits"]["val"]["keys"]).read_text())
+    val = decoded_documents(tmp_path / "o1", "val")
+    assert val and [expected[int(k.split(":")[1])] for k in val_keys] == val
+    assert decoded_documents(tmp_path / "o1", "train") == [t for t in expected if t not in val]
+    assert (manifest["subset"], manifest["split"]) == ("sample-10BT", "validation")
+    prepare.prepare("someone/corpus", str(tmp_path / "o2"), vocab_size=300, val_fraction=0.0)
+    assert decoded_documents(tmp_path / "o2", "train") == texts[(None, "train")]
+    with pytest.raises(ValueError, match=r"no field 'body' \(fields: \['id', 'text'\]\)"):
+        prepare.prepare("someone/corpus", str(tmp_path / "o3"), text_field="body")
 
 
 def test_hugging_face_name_without_datasets_says_how_to_install(tmp_path, monkeypatch):
@@ -462,16 +626,6 @@ def test_the_command_line_defaults_are_the_ones_readme_gives(monkeypatch):
       tokenizer_chars, subset, split)] = calls
     assert (val_fraction, tokenizer_chars, max_tokens) == (0.01, 1_000_000_000, None)
     assert (text_field, split, subset, vocab_size) == ("text", "train", None, 32768)
-
-
-def test_hugging_face_subset_and_split_are_passed_through(tmp_path, monkeypatch):
-    fake = fake_datasets([{"text": f"row {i}: the quick brown fox"} for i in range(6)])
-    monkeypatch.setitem(sys.modules, "datasets", fake)
-    prepare.main(["--source", "someone/corpus", "--subset", "sample-10BT", "--split",
-                  "validation", "--out", str(tmp_path / "hub"), "--vocab_size", "300",
-                  "--val_fraction", "0", "--max_tokens", "1_000"])
-    assert fake.calls == [("load_dataset", "someone/corpus", "sample-10BT", "validation", True)] * 3
-    assert data.load_manifest(tmp_path / "hub")["subset"] == "sample-10BT"
 
 
 def test_data_dir_names_the_output_and_out_is_its_alias(corpus, tmp_path):

@@ -61,13 +61,18 @@ HOW = {
     "python prepare.py --source docs.jsonl --text_field body --data_dir data/docs": ("run", []),
     "python prepare.py --source HuggingFaceFW/fineweb-edu --subset sample-100BT "
     "--max_tokens 20_000_000_000 --data_dir data/fwe": (
-        "skip", "downloads a Hugging Face dataset; the datasets path (subset, split, "
-                "max_tokens) is tested with a stand-in module in tests/test_prepare.py"),
+        "skip", "downloads a Hugging Face dataset; the datasets path (subset, split) runs "
+                "the real library over a local copy of a hub layout in tests/test_prepare.py"),
     "python prepare.py --source HuggingFaceTB/smollm-corpus --subset fineweb-edu-dedup "
     "--max_tokens 20_000_000_000 --data_dir data/fwe-dedup": (
         "skip", "downloads a Hugging Face dataset, as the command above"),
+    "hf download HuggingFaceFW/fineweb-edu --include \"sample/10BT/*\" --repo-type dataset "
+    "--local-dir data/raw/fineweb-edu": (
+        "skip", "downloads; make_corpus writes two parquet shards where it leaves them"),
+    'python prepare.py --source "data/raw/fineweb-edu/sample/10BT/*.parquet" '
+    "--max_tokens 20_000_000_000 --data_dir data/fwe": ("run", []),
     "python train.py --preset stack100m --data_dir=data/fwe": (
-        "skip", "trains on the download above; the same command runs on data/mycorpus below"),
+        "skip", "trains on a download; the same command runs on data/mycorpus below"),
     "python prepare.py --source more.txt --tokenizer data/mycorpus/tokenizer.json "
     "--data_dir data/more": ("run", []),
     "python prepare.py --verify data/mycorpus": ("run", []),
@@ -133,6 +138,21 @@ def make_corpus(cwd: Path):
     (cwd / "more.txt").write_text("<|endoftext|>".join(texts[i % len(texts)][:2000]
                                                        for i in range(n_more)))
     (cwd / "run.toml").write_text("warmup_steps = 1\nlog_every = 1\n")
+    write_fineweb_shards(cwd / "data" / "raw" / "fineweb-edu" / "sample" / "10BT", texts)
+
+
+def write_fineweb_shards(folder: Path, texts: list[str]):
+    """Two shards in FineWeb-Edu's file names and columns (text among others), in row groups
+    of 32; the first holds rows until one hashes into the 1% val split."""
+    import pyarrow
+    import pyarrow.parquet
+
+    folder.mkdir(parents=True)
+    n_first = next(i for i in range(10_000) if prepare.is_val(f"000_00000.parquet:{i}", 0.01)) + 1
+    for name, rows in (("000_00000.parquet", texts[:n_first]), ("001_00000.parquet", texts[-50:])):
+        table = pyarrow.table({"text": rows, "id": [f"<urn:{name}:{i}>" for i in range(len(rows))],
+                               "score": [3.0] * len(rows)})
+        pyarrow.parquet.write_table(table, folder / name, row_group_size=32)
 
 
 def test_every_readme_command_runs_as_written(tmp_path):
