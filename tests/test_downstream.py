@@ -238,3 +238,13 @@ def test_the_report_draws_accuracy_against_chance_and_compares_the_finals(tmp_pa
     report.write([tmp_path / "a", tmp_path / "b"], tmp_path / "both")
     finals = (tmp_path / "both" / "report.md").read_text()
     assert "| wall time | t acc_norm / acc |" in finals and finals.count("0.4000 / 0.3000 |") == 2
+
+
+def test_the_picks_follow_lm_eval_process_results():
+    """An explicit table. lls -2 and -5 for choices "é" and "abc": acc takes the larger
+    sum (0); acc_norm divides by characters, 1 and 3 (-2 < -1.67: choice 1), not by the
+    continuation's 2 and 4 (" é", " abc": -1 > -1.25, choice 0); acc_bytes by UTF-8 bytes,
+    2 and 3 (-1 > -1.67: choice 0). A tie goes to the first choice, as np.argmax."""
+    items = [downstream.Item("x", ["é", "abc"], 0, ""), downstream.Item("x", ["ab", "cd"], 1, "")]
+    assert downstream.predictions(items, [-2.0, -5.0, -3.0, -3.0]).tolist() == [[0, 1, 0],
+                                                                                [0, 0, 0]]
