@@ -171,6 +171,13 @@ class TrainConfig:
     eval_every: int = knob(1_000, "optimizer steps between validation evaluations")
     eval_tokens: int | None = knob(4_194_304, "validation tokens per evaluation and source (at "
                                               "most its whole val split); none: all of it")
+    downstream: str = knob("", "multiple-choice tasks scored as lm-eval does (downstream.py): "
+                               "NAME:PATH,NAME:PATH; NAME hellaswag, arc_easy, arc_challenge, "
+                               "piqa, nextline (PATH a built-in data_dir) or any: generic")
+    downstream_every: int | None = knob(None, "optimizer steps between scorings, a multiple of "
+                                              "eval_every; none: at each evaluation")
+    downstream_items: int | None = knob(500, "items scored per task: a file's first N, nextline's "
+                                             "first N in its seeded order; none: all")
     ckpt_every: int = knob(1_000, "optimizer steps between checkpoints")
     keep_last_ckpts: int = knob(5, "newest checkpoints kept in out_dir/ckpt; older ones are "
                                    "deleted, except where a data stage or the decay begins")
@@ -204,6 +211,15 @@ class TrainConfig:
         if self.eval_tokens is not None and self.eval_tokens <= 0:
             raise ValueError(f"eval_tokens={self.eval_tokens} must be positive, or none for the "
                              f"whole val split")
+        if self.downstream_items is not None and self.downstream_items <= 0:
+            raise ValueError(f"downstream_items={self.downstream_items} must be positive, or "
+                             f"none for every item")
+        if self.downstream_every is not None and (self.downstream_every <= 0
+                                                  or self.downstream_every % self.eval_every):
+            raise ValueError(f"downstream_every={self.downstream_every} must be a positive "
+                             f"multiple of eval_every={self.eval_every} (scoring runs at an "
+                             f"evaluation), or none for every evaluation")
+        parse_downstream(self.downstream)  # raises if the task list is malformed
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"betas={self.betas} must be two numbers in [0, 1), e.g. "
                              f"--betas=0.9,0.95 (AdamW's beta1, beta2)")
@@ -393,6 +409,22 @@ def parse_mixture(spec: str, name: str = "data_dir") -> tuple[tuple[str, float],
                          f"with its whole weight")
     total = sum(share for _, share in sources)
     return tuple((path, share / total) for path, share in sources)
+
+
+def parse_downstream(spec: str) -> list[tuple[str, str]]:
+    """`hellaswag:data/hellaswag_val.jsonl,nextline:data/stdlib-4k` -> [(name, path), ...];
+    "" -> no tasks. A name keys the task's metrics (acc/<name>), so each appears once."""
+    tasks = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, colon, path = item.partition(":")
+        if not (colon and name and path) or "/" in name:
+            raise ValueError(f"downstream={spec!r}: {item!r} is not NAME:PATH; write e.g. "
+                             f"--downstream=hellaswag:data/hellaswag_val.jsonl")
+        tasks.append((name, path))
+    names = [name for name, _ in tasks]
+    if len(set(names)) < len(names):
+        raise ValueError(f"downstream={spec!r} names a task twice; give each a name of its own")
+    return tasks
 
 
 # Repeating data up to about 4 epochs trains almost as well as fresh data; beyond that the
@@ -591,6 +623,11 @@ def stack100m() -> TrainConfig:
     return TrainConfig()
 
 
+# The tiny run's next-line items per evaluation: ~10 s of its ~150-400 s between evaluations
+# on 2 cores (bench/downstream_cost.py); the acc of 100 items has a standard error ~0.05.
+TINY_ITEMS = 100
+
+
 def tiny() -> TrainConfig:
     """A ~4M-parameter model that trains on 2 CPU cores in 4 to 11 minutes (as measured on
     this project's machines: the reference seeds took 593–620 s of training each)."""
@@ -598,7 +635,8 @@ def tiny() -> TrainConfig:
                        seq_len=256, micro_batch_size=16, global_batch_tokens=4096,
                        total_steps=300, stop_at_step=300, warmup_steps=30, decay_fraction=0.2,
                        log_every=10, eval_every=100, eval_tokens=65_536, ckpt_every=100,
-                       keep_last_ckpts=2, sample_tokens=48)
+                       keep_last_ckpts=2, sample_tokens=48,
+                       downstream="nextline:data/stdlib-4k", downstream_items=TINY_ITEMS)
 
 
 PRESETS = {"stack100m": stack100m, "tiny": tiny}

@@ -150,6 +150,7 @@ class Start:
     plan: list[dict]  # config.data_plan's rows: each stage's sources, tokens and epochs
     evaluated: dict[str, float]  # the sources with a val split and their shares of val_loss
     val_windows: dict[str, int]  # the windows of seq_len in each evaluated source's val split
+    tasks: dict[str, dict] = dataclasses.field(default_factory=dict)  # downstream.describe's
     resumed_from: str | None = None  # the checkpoint this start continues
     resume_changes: list = dataclasses.field(default_factory=list)  # (knob, old, new)
 
@@ -196,6 +197,7 @@ def banner(cfg, start: Start, model, optimizers, schedule: str, flops: dict[str,
            + ", ".join(f"{d} × {w:.3g}" for d, w in start.evaluated.items())]
           if unevaluated else []),
         eval_coverage(cfg, start.val_windows),
+        *([downstream_coverage(cfg, start.tasks)] if start.tasks else []),
         f"hardware: {hardware.world} × {hardware.device} ({hardware.distributed}), "
         f"precision {hardware.precision} (the config's mixed_precision={cfg.mixed_precision}, "
         f"which wins over a launch config's), compile {hardware.compiled}, activation "
@@ -222,6 +224,20 @@ def eval_coverage(cfg, val_windows: dict[str, int]) -> str:
                                         f"({n / total:.1%})")
     return (f"eval every {cfg.eval_every:,} steps: {'; '.join(parts)}; {tokens:,} val tokens "
             f"per evaluation")
+
+
+def downstream_coverage(cfg, tasks: dict[str, dict]) -> str:
+    """What each scoring costs and what chance is, e.g. `downstream every 100 steps:
+    nextline 100 items (chance 0.250); 102,400 forward tokens per scoring, ~8.3% of the
+    training compute between scorings`. A forward costs a third of a trained token (2 of
+    the 6 FLOPs per parameter: model.flops_per_token)."""
+    every = cfg.downstream_every or cfg.eval_every
+    parts = [f"{name} {task['items']:,} items (chance {task['chance']:.3f})"
+             for name, task in tasks.items()]
+    tokens = sum(task["forward_tokens"] for task in tasks.values())
+    return (f"downstream every {every:,} steps: {'; '.join(parts)}; {tokens:,} forward tokens "
+            f"per scoring, ~{tokens / 3 / (every * cfg.global_batch_tokens):.1%} of the "
+            f"training compute between scorings")
 
 
 # ---------------------------------------------------------------------------------------
@@ -400,19 +416,24 @@ class MetricsLogger:
         self.write(record)
         return record
 
-    def log_eval(self, step: int, tokens_seen: int, metrics: dict):
+    def log_eval(self, step: int, tokens_seen: int, metrics: dict) -> dict:
         """The mixture's val loss and bits per byte, then each source's when there are
-        several (`val_loss/<source>`). The mixture's value weights the sources by the first
-        stage's shares for the whole run, so it stays comparable across a stage switch."""
+        several (`val_loss/<source>`), then each downstream task's acc and acc_norm against
+        chance when it was scored. The mixture's value weights the sources by the first
+        stage's shares for the whole run, so it stays comparable across a stage switch.
+        Returns `metrics`."""
         sources = [k.split("/", 1)[1] for k in metrics if k.startswith("val_loss/")]
         line = (f"eval {step:>6,} | val_loss {metrics['val_loss']:.4f} | "
                 f"val_bpb {metrics['val_bpb']:.4f}")
         if len(sources) > 1:
             line += " (the mixture, at fixed shares) | " + " | ".join(
                 f"{name} {metrics[f'val_loss/{name}']:.4f}" for name in sources)
+        for task in (k.split("/", 1)[1] for k in metrics if k.startswith("acc/")):
+            line += (f" | {task} acc {metrics[f'acc/{task}']:.3f} acc_norm "
+                     f"{metrics[f'acc_norm/{task}']:.3f} (chance {metrics[f'chance/{task}']:.3f})")
         self.print(line)
-        values = {k: v for k, v in metrics.items() if k.split("/")[0] in ("val_loss", "val_bpb")}
-        self.write({"kind": "eval", "step": step, "tokens_seen": tokens_seen, **values})
+        self.write({"kind": "eval", "step": step, "tokens_seen": tokens_seen, **metrics})
+        return metrics
 
     def log_epochs(self, epochs: dict[str, list[int]]):
         """One line per source for the epochs of its train split begun since the last log

@@ -259,13 +259,18 @@ def reference_loss(logits, targets, z_loss: float, ignore_index: int = -100,
     ce is the cross-entropy of the targets (in nats); z is PaLM's z-loss, z_loss·lse² with
     lse = logsumexp of a row's logits (arXiv 2204.02311, §5): it keeps the softmax
     normaliser near 1 and the logits from drifting in bf16. Both are summed over the
-    targets that are not ignore_index and, for "mean", divided by their number.
+    targets that are not ignore_index and, for "mean", divided by their number; "none"
+    keeps one number per target (N,), for scoring (downstream.py sums a choice's).
 
     `Transformer.forward` calls it when model.ce_chunk_size is 0. It needs the whole (N, V)
     logits, 8 GiB in fp32 for one Stack-100M micro-batch (N = 32 × 2,048, V = 32,768), and
     as much again for their gradient; `fused_ce_z_loss` below computes the same number
     without them, and is the head whenever ce_chunk_size is set."""
     kept = targets != ignore_index
+    if reduction == "none":  # each target's own (N,) numbers, 0 where ignored
+        ce = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")
+        z = z_loss * torch.where(kept, logits.logsumexp(dim=-1).square(), 0.0)
+        return Loss(ce + z, ce.detach(), z.detach())
     ce = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
     z = z_loss * logits.logsumexp(dim=-1)[kept].square().sum()
     n = kept.sum() if reduction == "mean" else 1
@@ -454,9 +459,18 @@ class Transformer(nn.Module):
 
         With ce_chunk_size 0 the head is plain: the (N, V) logits, then `reference_loss`.
         Otherwise the chunked head computes the same number without ever holding them (a
-        Stack-100M micro-batch's logits alone would take 8 GiB)."""
+        Stack-100M micro-batch's logits alone would take 8 GiB). reduction="none" (scoring,
+        no gradient) gives each target's (N,) numbers, ce_chunk_size rows of logits at a
+        time. Scoring calls this forward, not `logits`: under FSDP2 only a module's forward
+        gathers the root's sharded embedding."""
         x = self.hidden_states(input_ids, position_ids, seq_ids).flatten(0, 1)  # (N, C)
         targets = targets.flatten()  # (N,)
+        if reduction == "none":
+            rows = self.cfg.ce_chunk_size or len(x)
+            parts = [reference_loss(F.linear(h, self.embed.weight).float(), t, self.cfg.z_loss,
+                                    reduction="none")  # (rows, V) logits -> (rows,) each
+                     for h, t in zip(x.split(rows), targets.split(rows), strict=True)]
+            return Loss(*(torch.cat(part) for part in zip(*parts, strict=True)))
         if not self.cfg.ce_chunk_size:
             # (N, V), upcast to fp32; under bf16 autocast the matmul itself runs in bf16 (the
             # chunked head keeps it in fp32)

@@ -7,7 +7,8 @@ Every run writes its report at each checkpoint and as it ends (log.py runs this 
 command). This command rebuilds it at any time from the folder: no checkpoint weights, no
 GPU, no network, no torch. report.png holds the curves against tokens seen: train loss (raw
 and smoothed), val loss (the mixture and each source), both learning rates, the gradient
-norm with skipped steps, tokens/s and MFU; every panel marks the schedule's phases, the
+norm with skipped steps, tokens/s and MFU, and the downstream tasks' acc_norm and acc
+against chance when the run scored any; every panel marks the schedule's phases, the
 data stages, and where the run resumed or branched. report.md shows the figure and the
 run's facts: the hardware and the code of each start, the config as a diff from its
 preset, the data plan, the results and the end-of-run sample.
@@ -194,6 +195,7 @@ def results(run: RunLog) -> dict:
         "val_bpb": last_eval.get("val_bpb"),
         "val_loss_per_source": {k.split("/", 1)[1]: v for k, v in last_eval.items()
                                 if k.startswith("val_loss/")},
+        "tasks": final_accuracies(run),
         "tokens_seen": max([r["tokens_seen"] for r in train + evals], default=0),
         "wall_s": sum(run.seconds), "starts": len(run.starts),
         "tokens_per_s": tokens_per_s, "mfu": mfu, "throughput_warm": warm,
@@ -263,20 +265,27 @@ def reference_runs() -> list[RunLog]:
 # ---------------------------------------------------------------------------------------
 
 PANELS = ("train loss", "val loss", "learning rate", "gradient norm", "tokens/s", "MFU")
+ACCURACY = "downstream accuracy"  # a seventh panel, for a run that scored tasks
 # Where each panel's legend covers least, fixed ("best" would search every point): losses
 # and the gradient norm fall from the upper left; the learning rates hold high until the
 # decay; throughput dips at the start, then holds level.
 LEGEND_AT = {"train loss": "upper right", "val loss": "upper right",
              "learning rate": "lower center", "gradient norm": "upper right",
-             "tokens/s": "lower right", "MFU": "lower right"}
+             "tokens/s": "lower right", "MFU": "lower right", ACCURACY: "upper left"}
 SMOOTHING_POINTS = 40  # the smoothed train loss averages over ~1/40 of the logged points
 
 
 def draw(runs: list[RunLog], reference: list[RunLog] = ()) -> Figure:
     """The panels against tokens seen, one colour per run, and the reference seeds in grey."""
-    fig = Figure(figsize=(13, 10.5))  # margins set by hand: a layout engine costs seconds
-    fig.subplots_adjust(left=0.06, right=0.985, bottom=0.06, top=0.93, hspace=0.22, wspace=0.16)
-    axes = dict(zip(PANELS, fig.subplots(3, 2, sharex=True).flat))
+    panels = PANELS + ((ACCURACY,) if any(tasks(run) for run in runs) else ())
+    rows = (len(panels) + 1) // 2
+    fig = Figure(figsize=(13, 3.5 * rows))  # margins set by hand: a layout engine costs seconds
+    fig.subplots_adjust(left=0.06, right=0.985, bottom=0.18 / rows, top=1 - 0.21 / rows,
+                        hspace=0.22, wspace=0.16)
+    grid = list(fig.subplots(rows, 2, sharex=True).flat)
+    for ax in grid[len(panels):]:
+        ax.set_visible(False)  # an odd number of panels leaves one place empty
+    axes = dict(zip(panels, grid))
     for k, seed in enumerate(reference):  # one legend entry for all of them
         label = f"reference ({len(reference)} seeds)" if k == 0 else None
         curve(axes["train loss"], seed, "train", "loss", color="0.75", lw=0.8, smooth=True,
@@ -316,9 +325,40 @@ def draw_run(axes: dict, run: RunLog, color: str, name: str):
         ax = axes["gradient norm"]
         ax.plot(tokens_at(run, skipped), [0.97] * len(skipped), "x", color="red",
                 transform=ax.get_xaxis_transform(), label=f"{prefix}skipped step", gid="skipped")
+    draw_accuracy(axes.get(ACCURACY), run, color if not alone else None, prefix)
     marks = boundaries(run)
     for ax in axes.values():
         mark_boundaries(ax, marks, None if alone else color, label=ax is axes["train loss"])
+
+
+def draw_accuracy(ax, run: RunLog, color: str | None, prefix: str):
+    """Each task's acc_norm (solid) and acc (dashed), and its chance (dotted), in one colour
+    per task; runs compared share their run's colour and tell tasks apart by marker."""
+    for j, task in enumerate(tasks(run) if ax is not None else []):
+        c, marker = color or f"C{j}", "os^vD"[j % 5] if color else "o"
+        curve(ax, run, "eval", f"acc_norm/{task}", color=c, marker=marker, ms=3,
+              label=f"{prefix}{task} acc_norm", gid=f"acc_norm/{task}")
+        curve(ax, run, "eval", f"acc/{task}", color=c, ls="--", lw=1,
+              label=f"{prefix}{task} acc", gid=f"acc/{task}")
+        chance = final_accuracies(run)[task]["chance"]
+        ax.axhline(chance, color=c, ls=":", lw=1, label=f"{prefix}{task} chance",
+                   gid=f"chance/{task}")
+
+
+def tasks(run: RunLog) -> list[str]:
+    """The downstream tasks the run scored, in the order of its last scoring."""
+    scored = [r for r in run.rows("eval") if any(k.startswith("acc/") for k in r)]
+    return [k.split("/", 1)[1] for k in scored[-1] if k.startswith("acc/")] if scored else []
+
+
+def final_accuracies(run: RunLog) -> dict[str, dict]:
+    """task -> the last scoring's step, acc, acc_norm and chance."""
+    out = {}
+    for record in run.rows("eval"):
+        for task in (k.split("/", 1)[1] for k in record if k.startswith("acc/")):
+            out[task] = {"step": record["step"], **{m: record.get(f"{m}/{task}")
+                                                   for m in ("acc", "acc_norm", "chance")}}
+    return out
 
 
 def curve(ax, run: RunLog, kind: str, key: str, smooth: bool = False, scale: float = 1,
@@ -411,7 +451,8 @@ def tokens_at(run: RunLog, steps: list[int]) -> list[float]:
 def finish(fig: Figure, axes: dict, runs: list[RunLog]):
     """Titles, units, legends and the tokens axis."""
     units = {"train loss": "nats/token", "val loss": "nats/token", "tokens/s": "all ranks",
-             "MFU": "% of peak, causal FLOPs", "learning rate": "", "gradient norm": "before clip"}
+             "MFU": "% of peak, causal FLOPs", "learning rate": "", "gradient norm": "before clip",
+             ACCURACY: "acc_norm —, acc --, chance ···"}
     for title, ax in axes.items():
         ax.set_title(title, loc="left", fontsize=10)
         ax.set_ylabel(units[title], fontsize=8)
@@ -421,8 +462,11 @@ def finish(fig: Figure, axes: dict, runs: list[RunLog]):
     if not any(line.get_gid() == "mfu" for line in axes["MFU"].lines):
         axes["MFU"].text(0.5, 0.5, "MFU n/a: no peak FLOP/s known for this device",
                          ha="center", va="center", transform=axes["MFU"].transAxes)
-    for ax in (axes["tokens/s"], axes["MFU"]):
+    for ax in (axes["tokens/s"], axes["MFU"], axes.get(ACCURACY)):
+        if ax is None:
+            continue
         ax.set_xlabel("tokens seen")
+        ax.xaxis.set_tick_params(labelbottom=True)  # sharex hides them above an empty place
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: count(x)))
     head = runs[0] if len(runs) == 1 else None
     fig.suptitle(title_of(head) if head else " vs ".join(run.name for run in runs))
@@ -491,6 +535,9 @@ def results_rows(run: RunLog, done: dict) -> list[str]:
         (f"val loss, step {done['eval_step'] or 0:,}", number(done["val_loss"])
          + (f" (the mixture; {per_source})" if len(done["val_loss_per_source"]) > 1 else "")),
         ("val bits per byte", number(done["val_bpb"])),
+        *((f"{task} acc_norm / acc, step {a['step']:,}", f"{number(a['acc_norm'])} / "
+           f"{number(a['acc'])} (chance {number(a['chance'])})")
+          for task, a in done["tasks"].items()),
         ("tokens seen", f"{done['tokens_seen']:,}"),
         ("wall time", f"{duration(done['wall_s'])} over {done['starts']} start"
                       f"{'s' if done['starts'] > 1 else ''} (training, evaluation and "
@@ -551,9 +598,11 @@ def comparison(runs: list[RunLog]) -> str:
              "![curves](report.png)", ""]
     lines += [f"{run.name} continues {run.branch[0]} from its step {run.branch[1]:,}: up to "
               f"there they are the same run." for run in runs if run.branch]
+    scored = list(dict.fromkeys(task for run in runs for task in tasks(run)))
     lines += ["", "## Finals", "", "| run | outcome | step | tokens seen | train loss | "
-              "val loss | val bpb | tokens/s | MFU | wall time |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "val loss | val bpb | tokens/s | MFU | wall time |"
+              + "".join(f" {task} acc_norm / acc |" for task in scored),
+              "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(scored)]
     for run in runs:
         done = results(run)
         lines.append(f"| {run.name} | {done['outcome']} | {done['step']:,} | "
@@ -561,7 +610,10 @@ def comparison(runs: list[RunLog]) -> str:
                      f"{number(done['val_loss'])} | {number(done['val_bpb'])} | "
                      + (f"{done['tokens_per_s']:,.0f}" if done["tokens_per_s"] else "n/a")
                      + f" | {'n/a' if done['mfu'] is None else format(done['mfu'], '.1%')} | "
-                     f"{duration(done['wall_s'])} |")
+                     f"{duration(done['wall_s'])} |"
+                     + "".join(f" {number(done['tasks'][t]['acc_norm'])} / "
+                               f"{number(done['tasks'][t]['acc'])} |" if t in done["tasks"]
+                               else " n/a |" for t in scored))
     differing = knob_differences(runs)
     lines += ["", "## Knobs that differ", ""]
     lines += (["| knob | " + " | ".join(run.name for run in runs) + " |",

@@ -20,8 +20,8 @@ per-micro-batch means would weight a token by the size of its micro-batch. So ea
 micro-batch returns the *sum* of its token losses, and the target tokens of the whole
 global batch are counted before any backward pass.
 
-Imports from stacklm: checkpoint, cli, config, data, log, model, optim and prepare: it
-composes them.
+Imports from stacklm: checkpoint, cli, config, data, downstream, log, model, optim and
+prepare: it composes them.
 """
 
 import dataclasses
@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 import checkpoint
 import config
 import data
+import downstream
 import log
 import optim
 import prepare
@@ -60,6 +61,7 @@ class Run:
     stages: list[data.Stage]  # the data stages: which sources, by weight, from which step
     manifests: dict[str, dict]  # each source's manifest.json
     start: log.Start  # what this start is: hardware, code, data plan, evaluated sources
+    tasks: list[downstream.Task]  # the multiple-choice tasks scored beside the val loss
     step: int = 0  # optimizer steps taken, advanced by the loop
     tokens_seen: int = 0  # tokens trained on, all ranks together
     skipped_steps: int = 0  # updates skipped for a non-finite loss or grad norm, in all
@@ -129,8 +131,7 @@ def train(run: Run, stop: checkpoint.StopFlag, logger: log.MetricsLogger) -> dic
         last_step = run.step == cfg.stop_at_step
         # A source new to a resumed run is evaluated at once: its curve has a before.
         if run.step % cfg.eval_every == 0 or last_step or run.new_sources:
-            metrics.update(evaluate(run, token_bytes))
-            logger.log_eval(run.step, run.tokens_seen, metrics)
+            metrics.update(logger.log_eval(run.step, run.tokens_seen, evaluate(run, token_bytes)))
         # Not the step the run started from (step 0, or the checkpoint it resumed from),
         # and never during a non-finite streak: the weights may already be the damage.
         if (run.step % cfg.ckpt_every == 0 or last_step) and run.step != first_step \
@@ -184,6 +185,7 @@ def setup(cfg: TrainConfig) -> Run:
         if accelerator.is_main_process:
             prepare.ensure_builtin(sources, cfg.model.vocab_size)
     manifests = data.check_sources(sources, cfg.model.vocab_size)
+    tasks = downstream.load_tasks(cfg, data.tokenizer_path(sources[0]), accelerator.num_processes)
     evaluated = data.val_shares(stages, manifests)  # sources with a val split, by weight
     plan = config.data_plan(cfg, stages, {d: data.windows_per_epoch(m, "train", cfg.seq_len)
                                           * cfg.seq_len for d, m in manifests.items()})
@@ -198,19 +200,19 @@ def setup(cfg: TrainConfig) -> Run:
     compiled = use_compile(cfg)
     model = build_model(cfg, compiled)
     if accelerator.distributed_type == DistributedType.FSDP:
-        # Sharded before the optimizers are built, so they hold the sharded parameters;
-        # accelerate.prepare keeps a model that is already an FSDP module as it is.
+        # Sharded before the optimizers are built, so they hold the sharded parameters
+        # (accelerate.prepare keeps a model that is already an FSDP module as it is).
         model = shard_model(model, accelerator.device, accelerator.mixed_precision == "bf16",
                             config.reshard_after_forward(os.environ))
     optimizers = optim.build_optimizers(model, cfg)
     start = log.Start(log.hardware(accelerator, compiled), log.code_revision(), plan, evaluated,
-                      val_windows)
+                      val_windows, downstream.describe(tasks))
     accelerator.print(log.banner(cfg, start, model, optimizers, optim.schedule_summary(cfg),
                                  model_flops(cfg)))
     accelerator.print("\n".join(warnings), end="\n" if warnings else "")
     model, *prepared = accelerator.prepare(model, *optimizers.named.values())
     optimizers = optim.Optimizers(dict(zip(optimizers.named, prepared, strict=True)))
-    run = Run(cfg, accelerator, model, optimizers, loader, stages, manifests, start)
+    run = Run(cfg, accelerator, model, optimizers, loader, stages, manifests, start, tasks)
     start.resumed_from = checkpoint.resume(accelerator, candidates, run.load_checkpoint,
                                            cfg.resume, cfg.out_dir)
     return run
@@ -267,9 +269,11 @@ def train_step(run: Run, stop: checkpoint.StopFlag) -> StepResult:
 
 
 def evaluate(run: Run, token_bytes: torch.Tensor) -> dict:
-    """Every evaluated source's val loss and bits per byte (`val_loss/<data_dir>`), and the
-    mixture's: their mean under shares fixed for the whole run (data.val_shares)."""
-    metrics = {}
+    """Every evaluated source's val loss and bits per byte (`val_loss/<data_dir>`), the
+    mixture's (their mean at fixed shares, data.val_shares: comparable across a stage switch)
+    and, when due, the downstream tasks' accuracies (`acc/<task>`, `acc_norm/<task>`)."""
+    metrics = downstream.score(run.tasks, run.model, run.accelerator, run.cfg.micro_batch_size) \
+        if downstream.due(run.cfg, run.step) else {}
     for source in run.start.evaluated:
         result = val_loss(run.cfg, run.accelerator, run.model, token_bytes, source)
         metrics.update({f"{k}/{source}": v for k, v in result.items()})
@@ -290,10 +294,9 @@ def val_loss(cfg: TrainConfig, accelerator, model, token_bytes, data_dir) -> dic
     loss, it does not depend on the tokenizer, so runs with different vocabularies compare."""
     B, rank, world = cfg.micro_batch_size, accelerator.process_index, accelerator.num_processes
     loader = data.PackedShardLoader(data_dir, "val", cfg.seq_len, B, rank, world, seed=cfg.seed)
-    # At most one pass over the split, so no window counts twice: a small val split is not
-    # re-read to fill eval_tokens, nor to fill the last global micro-batch. Rows past the
-    # last window are padding without targets (-100); every rank still runs each forward,
-    # as FSDP2 needs all ranks in every one.
+    # At most one pass over the split, so no window counts twice (a small split is not re-read
+    # to fill eval_tokens or the last global micro-batch): rows past the last window are
+    # padding without targets (-100), and every rank still runs each forward, as FSDP2 needs.
     n_windows = config.eval_windows(cfg, loader.windows_per_epoch)
     totals = torch.zeros(3, device=accelerator.device)  # ce nats, tokens, bytes
     model.eval()
@@ -312,9 +315,8 @@ def val_loss(cfg: TrainConfig, accelerator, model, token_bytes, data_dir) -> dic
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
-    """A batch's (B, T) tensors on `device`. For a GPU they go through pinned host memory, as
-    nanoGPT does: only from there does a non_blocking copy overlap the GPU's work on the
-    previous micro-batch; from ordinary memory it waits."""
+    """A batch's (B, T) tensors on `device`, through pinned memory for a GPU (as nanoGPT): only
+    from there does a non_blocking copy overlap the GPU's work; from ordinary memory it waits."""
     if device.type != "cuda":
         return batch
     return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
@@ -342,9 +344,8 @@ def precision(cfg: TrainConfig) -> str:
     return cfg.mixed_precision
 
 
-def use_compile(cfg: TrainConfig) -> bool:
-    return cfg.compile_model == "true" or (cfg.compile_model == "auto"
-                                           and torch.cuda.is_available())
+def use_compile(cfg: TrainConfig) -> bool:  # auto: on CUDA
+    return cfg.compile_model == "true" or cfg.compile_model == "auto" and torch.cuda.is_available()
 
 
 def build_model(cfg: TrainConfig, compile_model: bool) -> Transformer:
@@ -364,11 +365,10 @@ def shard_model(model: Transformer, device: torch.device, bf16: bool,
                 reshard_after_forward: bool = True) -> Transformer:
     """FSDP2 (`fully_shard`): one group per block, then the root, which holds the tied
     embedding (used at both ends of the forward: one group) and runs the loss head where
-    that weight is gathered. Parameters are gathered in bf16 and gradients reduce-scattered
-    in fp32 (accelerate's bf16 default would drop the low bits of many small per-rank
-    contributions). reshard_after_forward False (the launch config's
-    fsdp_reshard_after_forward) keeps each block's weights gathered from forward to
-    backward: one all-gather fewer per block, more memory."""
+    that weight is gathered. Parameters are gathered in bf16, gradients reduce-scattered in
+    fp32 (accelerate's bf16 would drop the low bits of many small per-rank contributions).
+    reshard_after_forward False (the launch config's fsdp_reshard_after_forward) keeps each
+    block's weights gathered from forward to backward: one all-gather fewer, more memory."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -391,8 +391,7 @@ def save_checkpoint(run: Run, logger: log.MetricsLogger):
     """out_dir/ckpt/step_XXXXXXX: weights, optimizers, RNGs and run.state_dict(), all a
     bitwise resume needs; then the log records it (and redraws the run report)."""
     t0 = time.perf_counter()
-    # Never pruned: the checkpoints where a stage begins and where the decay leg begins, the
-    # branch points of anneals (WSD's point).
+    # Never pruned: where a stage or the decay leg begins, the branch points of anneals.
     keep = {stage.start for stage in run.stages} | {config.wsd_phases(run.cfg).decay_start}
     checkpoint.save(run.accelerator, run.accelerator.unwrap_model(run.model),
                     list(run.optimizers.named.values()), run.state_dict(), run.cfg.out_dir,

@@ -15,6 +15,7 @@ import config
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
+import downstream_cost  # noqa: E402
 import gpu_sweep  # noqa: E402
 
 
@@ -194,3 +195,19 @@ def test_report_cost_counts_the_reports_of_the_log_it_times():
     paid = 3 * figures["spawn_s"] + figures["cold_s"]
     assert figures["training_process_share_one_gpu"] == pytest.approx(paid / wall, rel=1e-2)
     assert 0 < figures["spawn_s"] < figures["cold_s"]
+
+
+def test_downstream_cost_arithmetic_within_the_goals():
+    """bench/downstream_cost.py's figures recomputed by hand from the presets' defaults.
+    stack100m: 500 items per task × 16 choices (hellaswag 4, ARC 5 and 5, PIQA 2) = 8,000
+    sequences, each at most a row of 2,048, rounded up to global micro-batches of 32 × 8
+    ranks = 8,192 rows; a forward costs a third of a trained token; one scoring per 1,000
+    steps of 524,288 tokens: 8,192 × 2,048 / 3 / 524,288,000 = 1.07% <= 2%. tiny: the
+    share is the scoring's seconds over eval_every steps' seconds."""
+    bound = downstream_cost.stack100m_bound(config.stack100m())
+    assert (bound["items_per_task"], bound["rows"], bound["forward_tokens"]) == (
+        500, 8192, 8192 * 2048)
+    assert bound["share_bound"] == pytest.approx(8192 * 2048 / 3 / (1000 * 524_288))
+    assert bound["share_bound"] <= bound["goal"] == 0.02
+    tiny = downstream_cost.tiny_share(config.tiny(), step_s=1.5, score_s=9.0)
+    assert tiny["share"] == pytest.approx(9.0 / (100 * 1.5)) and tiny["goal"] == 0.10

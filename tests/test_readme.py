@@ -19,7 +19,8 @@ import prepare
 REPO = Path(__file__).resolve().parent.parent
 
 # Appended to every command that trains: stop early, evaluate and sample little.
-FEW_STEPS = ["--stop_at_step=2", "--eval_tokens=4096", "--sample_tokens=4"]
+FEW_STEPS = ["--stop_at_step=2", "--eval_tokens=4096", "--sample_tokens=4",
+             "--downstream_items=4"]
 # Stack-100M itself does not fit a CPU test: the same command with a 1-layer stand-in.
 CPU_STAND_IN = ["--model.n_layers=1", "--model.d_model=64", "--model.n_heads=2",
                 "--model.n_kv_heads=1", "--model.intermediate=128", "--model.max_seq_len=64",
@@ -106,6 +107,11 @@ HOW = {
     "--tasks hellaswag,arc_easy,piqa --batch_size 32": (
         "skip", "lm-evaluation-harness downloads its tasks; the folder it loads is tested "
                 "against transformers in tests/test_hf_export.py"),
+    "python train.py --preset tiny --downstream=nextline:data/stdlib-4k,hellaswag:data/tasks/"
+    "hellaswag_val.jsonl,arc_easy:data/tasks/ARC-Easy-Test.jsonl,piqa:data/tasks/"
+    "piqa_valid.jsonl": (
+        "skip", "reads task files a user downloads; each reader, and the scorer against a "
+                "plain transformers scorer, are tested in tests/test_downstream.py"),
     'python sample.py --export out/tiny/export --prompt "def " --num_samples 2': (
         "run", ["--max_new_tokens=8"]),
 }

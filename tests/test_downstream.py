@@ -1,0 +1,250 @@
+"""Downstream tasks (downstream.py) against independent oracles: a scorer written here with
+plain transformers code on the run's export, one sequence at a time, following
+lm-evaluation-harness 0.4.13's rules (lm-eval itself downloads its tasks, so CI cannot run
+it); the readers against items worked out by hand from lm-eval's task files; the ranks'
+shares against a one-rank scoring; and each bad input refused in one line."""
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+import config
+import downstream
+import export
+import report
+import train
+from conftest import micro_config
+from model import Transformer
+from test_train import checkpoint_weights
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+# Items that reach each rule: trailing whitespace moved into the continuation, a context
+# far longer than seq_len (left truncation), non-ASCII choices (acc_bytes differs from
+# acc_norm), 2 to 5 choices.
+GENERIC = [
+    {"context": "def add(a, b):\n    return", "choices": ["a + b", "a - b", "None"], "gold": 0},
+    {"context": "import json\n\n", "choices": ["import os", "x = 1", "café = 'é'"], "gold": 2},
+    {"context": "# " + "the quick brown fox jumps over the lazy dog " * 30 + "\nclass",
+     "choices": ["A:", "B(object):", "C(dict):\n    pass", "D", "E"], "gold": 1},
+    {"context": "for i in range(10):  ", "choices": ["print(i)", "pass"], "gold": 1},
+    {"context": "x = {'a': 1}\nprint(x['", "choices": ["a'])", "b'])", "ü'])"], "gold": 0},
+    {"context": "while True:\n", "choices": ["    break", "break", "\tcontinue"], "gold": 0},
+]
+
+
+def write_jsonl(path: Path, docs: list) -> Path:
+    path.write_text("".join(json.dumps(doc) + "\n" for doc in docs))
+    return path
+
+
+def transformers_scores(folder, items) -> tuple[list[float], np.ndarray]:
+    """lm-eval's loglikelihood for multiple_choice, with plain transformers: each choice
+    as " " + choice after the context; trailing whitespace of the context moved to the
+    continuation; tokenizer(context + continuation) split at len(tokenizer(context));
+    the last max_length + 1 tokens kept, all but the last fed in; the continuation's
+    log-softmax summed. acc, acc_norm, acc_bytes: argmax of ll, ll / chars, ll / bytes."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    max_length = model.config.max_position_embeddings
+    lls, picks = [], []
+    for item in items:
+        item_lls = []
+        for choice in item.choices:
+            context, continuation = item.context, " " + choice
+            n_spaces = len(context) - len(context.rstrip())
+            if n_spaces:
+                context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+            whole = tokenizer(context + continuation).input_ids
+            context_ids = tokenizer(context).input_ids
+            cont = whole[len(context_ids):]
+            inputs = (context_ids + cont)[-(max_length + 1):][:-1]
+            with torch.no_grad():
+                logits = model(torch.tensor([inputs]), use_cache=False).logits[0].double()
+            logprobs = torch.log_softmax(logits, -1)[-len(cont):]
+            item_lls.append(logprobs.gather(1, torch.tensor(cont)[:, None]).sum().item())
+        ll = np.array(item_lls)
+        picks.append([np.argmax(ll), np.argmax(ll / [len(c) for c in item.choices]),
+                      np.argmax(ll / [len(c.encode()) for c in item.choices])])
+        lls += item_lls
+    return lls, np.array(picks)
+
+
+def test_in_loop_scores_equal_a_transformers_scorer_item_by_item(small_data_dir, tmp_path,
+                                                                capsys):
+    """A trained micro model: the run's final acc, acc_norm and acc_bytes, and each choice's
+    log-likelihood from the packed in-loop scorer (several sequences per row), equal the
+    plain transformers scorer's on the export, one sequence at a time: the same pick item
+    by item, log-likelihoods to 1e-5. Both a generic file and the next-line task."""
+    tasks = f"mine:{write_jsonl(tmp_path / 'mine.jsonl', GENERIC)},nextline:{small_data_dir}"
+    cfg = micro_config(small_data_dir, str(tmp_path / "run"), stop_at_step=4,
+                       downstream=tasks, downstream_items=6)
+    final = train.main(cfg)
+    printed = capsys.readouterr().out
+    assert re.search(r"downstream every 4 steps: mine 6 items \(chance 0\.339\); nextline 6 "
+                     r"items \(chance 0\.250\); [\d,]+ forward tokens per scoring", printed)
+    assert re.search(r"eval      4 \|.* \| mine acc [\d.]+ acc_norm [\d.]+ \(chance 0\.339\)",
+                     printed)
+    export.main([str(tmp_path / "run"), "--format", "hf"])
+    model = Transformer(cfg.model).eval()
+    model.load_state_dict(checkpoint_weights(cfg, 4))
+    mine, nextline = downstream.load_tasks(cfg, str(Path(small_data_dir) / "tokenizer.json"), 1)
+    assert (mine.rows["seq_ids"] > 0).any()  # packed: the masking is what the oracle checks
+    assert (nextline.rows["position_ids"] == 63).any()  # and left truncation to seq_len 64
+    for task in (mine, nextline):
+        with torch.no_grad():
+            ours = downstream.loglikelihoods(task, model, torch.device("cpu"),
+                                             cfg.micro_batch_size, 0, 1).tolist()
+        theirs, picks = transformers_scores(tmp_path / "run" / "export-hf", task.items)
+        np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+        assert (downstream.predictions(task.items, ours) == picks).all()
+        hits = picks == np.array([[item.gold] for item in task.items])
+        for j, metric in enumerate(("acc", "acc_norm", "acc_bytes")):
+            assert final[f"{metric}/{task.name}"] == hits[:, j].mean()
+
+
+def test_each_rank_scores_its_share_and_every_sequence_counts_once(small_data_dir, tmp_path):
+    """The ranks' vectors, summed, equal one rank's, at 2 and 3 ranks; every rank runs the
+    same number of forwards (FSDP2 needs all of them in each)."""
+    path = write_jsonl(tmp_path / "mine.jsonl", GENERIC)
+    tokenizer = str(Path(small_data_dir) / "tokenizer.json")
+    cfg = micro_config(small_data_dir, str(tmp_path), downstream=f"mine:{path}",
+                       micro_batch_size=2, global_batch_tokens=256)
+    torch.manual_seed(0)
+    model = Transformer(cfg.model).eval()
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    with torch.no_grad():
+        one = downstream.loglikelihoods(downstream.load_tasks(cfg, tokenizer, 1)[0], model,
+                                        torch.device("cpu"), 2, 0, 1)
+        for world in (2, 3):
+            [task] = downstream.load_tasks(cfg, tokenizer, world)
+            shares, counts = [], []
+            for rank in range(world):
+                forwards.clear()
+                shares.append(downstream.loglikelihoods(task, model, torch.device("cpu"), 2,
+                                                        rank, world))
+                counts.append(len(forwards))
+            assert len(set(counts)) == 1, counts
+            assert ((torch.stack(shares) != 0).sum(0) == 1).all()  # each on one rank
+            torch.testing.assert_close(sum(shares), one, atol=1e-5, rtol=0)
+
+
+def test_each_format_reads_items_as_lm_eval_builds_them(tmp_path):
+    """Expected items worked out by hand from lm-eval 0.4.13's hellaswag utils.py
+    (preprocess: " [title]" -> ". ", other [tags] removed, double spaces single, ctx_b
+    capitalised), arc_easy.yaml (both of ARC's layouts) and piqa.yaml."""
+    hellaswag = {"activity_label": "Making a cake", "ctx_a": "A woman  mixes flour. [header]",
+                 "ctx_b": "then she [title] bakes", "endings": [" It rises. [step]", "B"],
+                 "label": 1, "ind": 4}
+    arc_release = {"id": "x", "question": {"stem": "Which is a gas?", "choices": [
+        {"text": "ice", "label": "1"}, {"text": "steam", "label": "2"}]}, "answerKey": "2"}
+    arc_rows = {"question": "Which is a gas?", "choices": {"text": ["ice", "steam", "rock"],
+                "label": ["A", "B", "C"]}, "answerKey": "B"}
+    piqa = {"goal": "Boil eggs", "sol1": "no water", "sol2": "cold water", "label": 1}
+    generic = {"context": "2 + 2 =", "choices": ["3", "4"], "gold": 1}
+    expected = {
+        "hellaswag": [("Making a cake: A woman mixes flour. Then she. bakes",
+                       ["It rises. ", "B"], 1)],  # the space before a removed tag stays
+        "arc_easy": [("Question: Which is a gas?\nAnswer:", ["ice", "steam"], 1),
+                     ("Question: Which is a gas?\nAnswer:", ["ice", "steam", "rock"], 1)],
+        "piqa": [("Question: Boil eggs\nAnswer:", ["no water", "cold water"], 1)],
+        "anything": [("2 + 2 =", ["3", "4"], 1)]}
+    docs = {"hellaswag": [hellaswag], "arc_easy": [arc_release, arc_rows], "piqa": [piqa],
+            "anything": [generic]}
+    for name, want in expected.items():
+        path = write_jsonl(tmp_path / f"{name}.jsonl", docs[name])
+        got = downstream.read_items(name, str(path))
+        assert [(i.context, i.choices, i.gold) for i in got] == want, name
+        assert got[0].where == f"{path}:1"
+
+
+@pytest.mark.parametrize("name, lines, message", [
+    ("mine", None, r"cannot read .*missing\.jsonl .*FileNotFoundError"),
+    ("mine", ['{"context": "a", "choices": ["b", "c"], "gold": 0}', "", "{not json"],
+     r"task\.jsonl:3: not a generic item \(JSONDecodeError"),
+    ("hellaswag", ['{"activity_label": "a", "ctx_a": "b", "ctx_b": "c", "endings": ["d"]}'],
+     r"task\.jsonl:1: not a hellaswag item \(KeyError: 'label'\)"),
+    ("mine", ['{"context": "a", "choices": ["b", "c"], "gold": 2}'],
+     r"task\.jsonl:1: .*gold 2 is not the index of one of the 2 choices"),
+    ("piqa", ['{"goal": "a", "sol1": "b", "sol2": "c"}'],
+     r"task\.jsonl:1: .*merge valid-labels\.lst in"),
+    ("mine", ['{"context": " ", "choices": ["b", "c"], "gold": 0}'],
+     r"task\.jsonl:1: .*the context is empty"),
+    ("mine", [], r"task\.jsonl: no items"),
+])
+def test_a_bad_task_file_is_refused_in_setup_in_one_line(name, lines, message, small_data_dir,
+                                                        tmp_path):
+    """One line naming the file (and the line), and nothing trained or logged: setup refuses
+    it before any compute (the command line prints such an error as it is, exit status 2)."""
+    path = tmp_path / ("missing.jsonl" if lines is None else "task.jsonl")
+    if lines is not None:
+        path.write_text("\n".join(lines))
+    cfg = micro_config(small_data_dir, str(tmp_path / "run"), downstream=f"{name}:{path}")
+    with pytest.raises(ValueError) as refused:
+        train.main(cfg)
+    assert "\n" not in str(refused.value) and re.search(message, str(refused.value))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"downstream": "hellaswag"}, r"'hellaswag' is not NAME:PATH"),
+    ({"downstream": "a:x.jsonl,a:y.jsonl"}, "names a task twice"),
+    ({"downstream_every": 6}, r"downstream_every=6 must be a positive multiple of eval_every=4"),
+    ({"downstream_items": 0}, "downstream_items=0 must be positive"),
+])
+def test_bad_downstream_knobs_are_refused(overrides, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        micro_config("data", str(tmp_path), **overrides)
+
+
+def test_the_next_line_items_are_fixed_and_ask_for_the_true_next_line(small_data_dir):
+    """Two reads give the same items; each gold choice is the line that follows its context
+    in a val document, and no other choice is that line."""
+    first, again = (downstream.nextline_items(small_data_dir) for _ in range(2))
+    assert first == again and len(first) > 50
+    texts = downstream.val_documents(small_data_dir)
+    for item in first[:50]:
+        assert len(item.choices) == 4 and item.choices.count(item.choices[item.gold]) == 1
+        assert any(item.context + item.choices[item.gold] + "\n" in text + "\n"
+                   for text in texts)
+
+
+def test_the_report_draws_accuracy_against_chance_and_compares_the_finals(tmp_path):
+    """A hand-made log with two scorings of one task: the panel's lines hold the logged
+    numbers and chance, the results table a row, and two runs compared a column."""
+    from test_report import start_record, train_record, write_log
+    evals = [{"kind": "eval", "step": s, "tokens_seen": s * 100, "val_loss": 4.0,
+              "val_bpb": 1.8, "acc/t": a, "acc_norm/t": n, "chance/t": 0.25}
+             for s, a, n in ((0, 0.2, 0.25), (10, 0.3, 0.4))]
+    for name in ("a", "b"):
+        write_log(tmp_path / name, [start_record(stop_at_step=10), train_record(10, 4.0),
+                                    *evals, {"kind": "end", "step": 10, "outcome": "finished",
+                                             "error": None, "elapsed_s": 1.0}])
+    run = report.read_run(tmp_path / "a")
+    fig = report.draw([run])
+    [norm] = [l for ax in fig.axes for l in ax.lines if l.get_gid() == "acc_norm/t"]
+    [chance] = [l for ax in fig.axes for l in ax.lines if l.get_gid() == "chance/t"]
+    assert list(norm.get_ydata()) == [0.25, 0.4] and list(chance.get_ydata()) == [0.25, 0.25]
+    report.write([tmp_path / "a"])
+    assert "| t acc_norm / acc, step 10 | 0.4000 / 0.3000 (chance 0.2500) |" in (
+        tmp_path / "a" / "report.md").read_text()
+    report.write([tmp_path / "a", tmp_path / "b"], tmp_path / "both")
+    finals = (tmp_path / "both" / "report.md").read_text()
+    assert "| wall time | t acc_norm / acc |" in finals and finals.count("0.4000 / 0.3000 |") == 2
+
+
+def test_the_picks_follow_lm_eval_process_results():
+    """An explicit table. lls -2 and -5 for choices "é" and "abc": acc takes the larger
+    sum (0); acc_norm divides by characters, 1 and 3 (-2 < -1.67: choice 1), not by the
+    continuation's 2 and 4 (" é", " abc": -1 > -1.25, choice 0); acc_bytes by UTF-8 bytes,
+    2 and 3 (-1 > -1.67: choice 0). A tie goes to the first choice, as np.argmax."""
+    items = [downstream.Item("x", ["é", "abc"], 0, ""), downstream.Item("x", ["ab", "cd"], 1, "")]
+    assert downstream.predictions(items, [-2.0, -5.0, -3.0, -3.0]).tolist() == [[0, 1, 0],
+                                                                                [0, 0, 0]]
