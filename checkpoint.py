@@ -19,7 +19,8 @@ reads any format this trainer has written. `StopFlag` turns a preemption's SIGTE
 "finish the step, save, exit 0", and `record_outcome` tells a launch script that it did (a
 launcher cannot). export.py turns a checkpoint into files other programs load.
 
-Imports from stacklm: nothing. It takes a model, optimizers and plain values.
+Imports from stacklm: cli (NothingToDo, for a run that would train nothing). It takes a
+model, optimizers and plain values.
 """
 
 import contextlib
@@ -38,6 +39,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
+
+from cli import NothingToDo
 
 # DCP warns that it "assumes the intent is to save in a single process" when no process
 # group exists: that is exactly the single-process case.
@@ -132,6 +135,23 @@ def resume_candidates(out_dir, resume: str) -> list[Path]:
                              f"them with --resume=auto, or start afresh in a new --out_dir")
         return []
     return complete_checkpoints(out_dir)[::-1] if resume == "auto" else [find(out_dir, resume)]
+
+
+def check_unfinished(candidates: list[Path], stop_at_step: int, resume: str):
+    """NothingToDo where the checkpoint a run would continue (the first of `candidates`) is
+    already at or past stop_at_step: the run would train nothing, and a resume there would
+    only evaluate again. Checked before anything is built, from its train_state.json."""
+    if not candidates:
+        return  # a fresh start
+    try:
+        step = read_train_state(candidates[0])["step"]
+    except DamagedCheckpointError:
+        return  # `resume` sets it aside and continues an older one
+    if step >= stop_at_step:
+        fix = "a later --stop_at_step to continue it" if resume != "auto" else \
+            "a new --out_dir to train afresh, or a later --stop_at_step to continue it"
+        raise NothingToDo(f"nothing to train: {candidates[0]} is at step {step:,}, and this "
+                          f"run stops at stop_at_step={stop_at_step:,}; pass {fix}")
 
 
 def resume(accelerator, candidates: list[Path], load, setting: str, out_dir) -> str | None:
@@ -357,9 +377,14 @@ def read_model(ckpt: Path, model) -> dict:
 
 class StopFlag:
     """SIGTERM (a scheduler's preemption) or Ctrl-C asks the loop to finish its step, save
-    and exit 0; a second Ctrl-C interrupts at once. The old handlers come back on exit.
-    (A launcher's workers start sessions of their own, so a Ctrl-C in the terminal reaches
-    only the launcher, which passes one signal on to each worker.)"""
+    and exit 0, and says so at once; a second Ctrl-C interrupts at once (KeyboardInterrupt,
+    which cli.user_errors makes the line QUIT and exit status 130). The old handlers come
+    back on exit. (A launcher's workers start sessions of their own, so a Ctrl-C in the
+    terminal reaches only the launcher, which passes one signal on to each worker: rank 0
+    alone acknowledges it.)"""
+
+    ACKNOWLEDGEMENT = b"stopping after this step (Ctrl-C again to quit now)\n"
+    QUIT = "interrupted: the step in flight was not saved; run the same command to resume"
 
     def __init__(self):
         self.requested, self.previous = False, {}
@@ -375,6 +400,10 @@ class StopFlag:
             signal.signal(signum, handler)
 
     def _handle(self, signum, frame):
+        # os.write, not print: the handler may run while the main thread is inside a write
+        # to sys.stderr (the progress bar's), and a buffered stream refuses reentrant calls.
+        if not self.requested and os.environ.get("RANK", "0") == "0":
+            os.write(2, self.ACKNOWLEDGEMENT)
         self.requested = True
         signal.signal(signal.SIGINT, signal.default_int_handler)
 

@@ -1,6 +1,6 @@
 """Command-line plumbing that every command shares (train.py, prepare.py, export.py,
 sample.py, report.py and config.py's own): a mistake a user can fix is one line, not a
-traceback.
+traceback; so is a command with nothing to do, and a Ctrl-C that interrupts it.
 
 Imports from stacklm: nothing.
 """
@@ -10,16 +10,35 @@ import os
 import sys
 
 
+class NothingToDo(Exception):
+    """What the command was asked to make already exists (a run that reached its stop): it
+    says so in one line and exits 0, so a scheduler that reruns it sees success."""
+
+
 @contextlib.contextmanager
-def user_errors(debug: bool, errors: tuple = (ValueError, OSError)):
+def user_errors(debug: bool, errors: tuple = (ValueError, OSError),
+                interrupted: str = "interrupted"):
     """The commands' contract for what a user can fix (a bad value, a missing or unreadable
     file): one line `error: …` on stderr and exit status 2; `debug` keeps the traceback.
-    Anything else is a bug and keeps its traceback. Under a launcher only rank 0 prints."""
+    Anything else is a bug and keeps its traceback. NothingToDo is one line on stdout and
+    exit status 0; a Ctrl-C that reaches the command (KeyboardInterrupt) is the line
+    `interrupted` and exit status 130, the shell's code for SIGINT. Under a launcher only
+    rank 0 prints."""
+    rank0 = os.environ.get("RANK", "0") == "0"
     try:
         yield
+    except NothingToDo as e:
+        if rank0:
+            print(e)
     except errors as e:
         if debug:
             raise
-        if os.environ.get("RANK", "0") == "0":
+        if rank0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        if rank0:
+            print(interrupted, file=sys.stderr)
+        sys.exit(130)

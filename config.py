@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import json
 import math
+import re
 import shlex
 import tomllib
 import types
@@ -231,7 +232,9 @@ class TrainConfig:
         self.grad_accum_steps(1)  # raises if one rank cannot split the global batch
         if self.stop_at_step > self.total_steps:
             raise ValueError(f"stop_at_step={self.stop_at_step:,} is past total_steps="
-                             f"{self.total_steps:,}; the schedule has no steps there")
+                             f"{self.total_steps:,}; the schedule has no steps there: pass "
+                             f"--stop_at_step={self.total_steps} with it, or a larger "
+                             f"--total_steps")
         if not 0.0 <= self.decay_fraction <= 1.0:
             raise ValueError(f"decay_fraction={self.decay_fraction} must be within [0, 1]")
         if not 0.0 <= self.final_frac <= 1.0:
@@ -386,10 +389,21 @@ def check_schedule(cfg) -> WSDPhases:
     return phases
 
 
+# A weight written another way than DIR:W,DIR:W: `a:0.7 b:0.3` (spaces between sources) or
+# `a=0.7` (an equals sign). Read as it is, either would be one odd directory name.
+OTHER_WEIGHT_SYNTAX = re.compile(r":\s*[\d.]+\s+[^\s,]|=\s*[\d.]+(\s|,|$)")
+
+
 def parse_mixture(spec: str, name: str = "data_dir") -> tuple[tuple[str, float], ...]:
     """`dirA:7,dirB:2,dirC:1` -> ((dirA, 0.7), (dirB, 0.2), (dirC, 0.1)); a bare directory
     is a mixture of one. Weights are shares of the training tokens, whatever each source's
     size, normalised to sum to 1."""
+    if OTHER_WEIGHT_SYNTAX.search(spec):
+        fixed = ",".join(re.sub(r"\s*[:=]\s*", ":", part)
+                         for part in re.split(r"[\s,]+(?=[^\s,:=]+\s*[:=])", spec.strip()))
+        raise ValueError(f"{name}={spec!r}: write a mixture as DIR:W,DIR:W (a colon before "
+                         f"each weight, commas between sources, no spaces), e.g. "
+                         f"{name}={fixed}")
     sources = []
     for item in spec.split(","):
         path, colon, weight = item.strip().rpartition(":")
@@ -704,8 +718,13 @@ def _check_type(value, kind, key: str):
     return tuple(value) if typing.get_origin(kind) is tuple else value
 
 
+# Flags of train.py's command line that are not config keys: parse_args reads them, and an
+# unknown key is matched against them too (`--presets` means --preset).
+COMMAND_LINE_ONLY = ("preset", "config", "debug", "force")
+
+
 def _unknown_key(key: str, known: list[str]) -> ValueError:
-    close = difflib.get_close_matches(key, known, n=1)
+    close = difflib.get_close_matches(key, known + list(COMMAND_LINE_ONLY), n=1)
     hint = f"; did you mean --{close[0]}?" if close else "; see --help for every knob"
     return ValueError(f"unknown config key {key!r}{hint}")
 
@@ -781,6 +800,9 @@ def parse_args(argv: list[str] | None = None, default_preset: str = "stack100m")
     parser.add_argument("--config", metavar="RUN.TOML", help="TOML file of overrides")
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error, not just its message")
+    parser.add_argument("--force", action="store_true",
+                        help="start even where the memory estimate exceeds this machine's RAM "
+                             "(a CPU run; on a GPU it is a warning)")
     args, rest = parser.parse_known_args(argv)
     cfg = PRESETS[args.preset or default_preset]()
     overrides = {}

@@ -59,6 +59,7 @@ import json
 import math
 import os
 import re
+import shlex
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
@@ -379,18 +380,23 @@ class MixtureLoader:
 # Reading a prepared directory, with errors that name the file and the fix.
 # ---------------------------------------------------------------------------------------
 
-def load_manifest(data_dir) -> dict:
-    """data_dir's manifest.json, after checking it is complete and in the format read here."""
+def load_manifest(data_dir, vocab_size: int | None = None) -> dict:
+    """data_dir's manifest.json, after checking it is complete and in the format read here.
+    `vocab_size`, the model's, goes into the prepare command an error suggests."""
     path = Path(data_dir) / MANIFEST
     if Path(data_dir).is_file():
-        raise NotADirectoryError(f"data directory {data_dir} is a file; pass the directory "
-                                 f"`python prepare.py` wrote (it holds {MANIFEST})")
+        raise NotADirectoryError(f"data directory {data_dir} is a file, not the directory "
+                                 f"`python prepare.py` writes; "
+                                 f"{_raw_text_hint(data_dir, vocab_size)}")
     if not Path(data_dir).is_dir():
         raise FileNotFoundError(f"data directory {data_dir} does not exist; create it with "
-                                f"`{_prepare_hint(data_dir)}`")
+                                f"`{_prepare_hint(data_dir, vocab_size)}`")
+    if not path.is_file() and any(Path(data_dir).iterdir()):
+        raise FileNotFoundError(f"{path} is missing: {data_dir} holds files but was never "
+                                f"prepared; {_raw_text_hint(data_dir, vocab_size)}")
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing (never prepared, or prepare was "
-                                f"interrupted); run `{_prepare_hint(data_dir)}`")
+        raise FileNotFoundError(f"{path} is missing (never prepared); run "
+                                f"`{_prepare_hint(data_dir, vocab_size)}`")
     try:
         manifest = json.loads(path.read_text())
         version, vocab_size, dtype = (manifest["format_version"], manifest["vocab_size"],
@@ -412,7 +418,7 @@ def check_sources(sources: list[str], vocab_size: int) -> dict[str, dict]:
     """Each source's manifest, after checking that the sources can be trained on together
     by a model of `vocab_size`: one tokenizer for all (a mixture's tokens must mean one
     thing), no larger than the model's vocabulary."""
-    manifests = {d: load_manifest(d) for d in sources}
+    manifests = {d: load_manifest(d, vocab_size) for d in sources}
     first, first_sha = sources[0], manifests[sources[0]]["tokenizer"]["sha256"]
     for d, manifest in manifests.items():
         if manifest["tokenizer"]["sha256"] != first_sha:
@@ -624,10 +630,28 @@ def token_dtype(vocab_size: int) -> np.dtype:
     raise ValueError(f"vocab_size={vocab_size:,} does not fit uint32 token ids")
 
 
-def _prepare_hint(data_dir) -> str:
-    """The command that (re)creates data_dir, for error messages."""
+def _prepare_hint(data_dir, vocab_size: int | None = None) -> str:
+    """The command that (re)creates data_dir, for error messages; with the model's
+    `vocab_size` where it is known, so that the data it makes fits the model."""
     builtin = re.fullmatch(r"stdlib-(\d+)k", Path(data_dir).name)
     if builtin:
         return f"python prepare.py --vocab_size {int(builtin[1]) * 1024} --data_dir {data_dir}"
-    return f"python prepare.py --source YOUR_CORPUS --data_dir {data_dir}"
+    size = f" --vocab_size {vocab_size}" if vocab_size else ""
+    return f"python prepare.py --source YOUR_CORPUS --data_dir {data_dir}{size}"
+
+
+def _raw_text_hint(data_dir, vocab_size: int | None) -> str:
+    """For a data_dir that holds raw text: the command that prepares it, and the flag to
+    train on the result. prepare refuses to write into (or inside) its source, so the
+    result goes to data/NAME, or beside the source where that lies inside it or exists."""
+    source = Path(data_dir).resolve()
+    name = source.stem if source.is_file() else source.name
+    target = Path("data", name).resolve()
+    if target.is_relative_to(source) or target.exists():
+        target = source.with_name(f"{name}-prepared")
+    target = shlex.quote(os.path.relpath(target))
+    size = f" --vocab_size {vocab_size}" if vocab_size else ""
+    return (f"it looks like raw text: prepare it with `python prepare.py --source "
+            f"{shlex.quote(str(data_dir))} --data_dir {target}{size}`, then pass "
+            f"--data_dir={target}")
 

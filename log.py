@@ -15,7 +15,8 @@ Every value the logger gets is already global (reduced across ranks by the loop)
 main process writes.
 
 Imports from stacklm: config (the nearest preset and the schedule's phases, for the start
-record). Otherwise it takes plain numbers, and starts report.py as a command.
+record) and model (the parameter counts of a config, for the memory check before the model
+is built). Otherwise it takes plain numbers, and starts report.py as a command.
 """
 
 import dataclasses
@@ -32,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 import config
+from model import count_matmul_params, count_params
 
 # Dense bf16 tensor-core peak per GPU (vendor datasheets, no sparsity). MFU is reported
 # against these; unknown devices and CPUs show MFU as n/a rather than a made-up number.
@@ -99,6 +101,61 @@ def memory_estimate(cfg, n_params: int, n_muon: int, world: int, sharded: bool,
               "loss_head": 2 * min(m.ce_chunk_size or tokens, tokens) * m.vocab_size * 4 / gib}
     budget["total"] = sum(budget.values())
     return budget
+
+
+def check_memory(cfg, accelerator, force: bool) -> list[str]:
+    """Before any work: the memory estimate of this plan, from the parameters the config
+    counts (nothing is built yet), against what one rank has. Past a CPU's RAM (shared by the
+    ranks on the machine) the run is refused, naming a micro-batch that fits, unless `force`;
+    past a GPU's memory it gets a warning line (the estimate is a rough one, and the largest
+    term, the activations, may be what the run needs or not)."""
+    world, device = accelerator.num_processes, accelerator.device
+    sharded = accelerator.distributed_type.value == "FSDP"
+    bf16 = accelerator.mixed_precision == "bf16"
+    capacity, where = memory_capacity(device)
+
+    def estimate(micro_batch_size: int) -> float:
+        plan = dataclasses.replace(cfg, micro_batch_size=micro_batch_size)
+        return memory_estimate(plan, *planned_params(cfg), world, sharded, bf16)["total"]
+    need = estimate(cfg.micro_batch_size)
+    if need <= capacity:
+        return []
+    # The largest smaller micro-batch that still splits the global batch evenly and leaves a
+    # tenth of the memory to what the estimate leaves out (the runtime, the allocator).
+    fits = next((m for m in range(cfg.micro_batch_size - 1, 0, -1)
+                 if cfg.global_batch_tokens % (m * cfg.seq_len * world) == 0
+                 and estimate(m) <= 0.9 * capacity), None)
+    fix = (f"--micro_batch_size={fits} (estimate {estimate(fits):.1f} GiB: the same global "
+           f"batch, in more accumulation steps), or " if fits else "") + "--preset tiny"
+    problem = f"the memory estimate is {need:.1f} GiB per rank, more than {where}"
+    if device.type == "cuda":
+        return [f"warning: {problem}; if it runs out of memory, use {fix} (README: Memory)"]
+    if force:
+        return [f"warning: {problem}; starting anyway (--force)"]
+    raise ValueError(f"{problem}: it would run out of memory; use {fix}, or pass --force to "
+                     f"start anyway")
+
+
+def planned_params(cfg) -> tuple[int, int]:
+    """(parameters, those in Muon) of cfg's model, counted from its shape as the built model
+    and optimizers would hold them: the tied embedding once; Muon takes the hidden matrices,
+    every matmul weight but the embedding (none where matrix_optimizer is adamw)."""
+    m = cfg.model
+    hidden = count_matmul_params(m) - m.vocab_size * m.d_model
+    return count_params(m), hidden if cfg.matrix_optimizer == "muon" else 0
+
+
+def memory_capacity(device: torch.device) -> tuple[float, str]:
+    """The GiB one rank has, and what they are, for messages: the GPU's memory, or the
+    machine's RAM over the ranks a launcher started on it (LOCAL_WORLD_SIZE)."""
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        gib = properties.total_memory / 2**30
+        return gib, f"this GPU's {gib:.1f} GiB ({properties.name})"
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    shared = f", shared by {ranks} ranks" if ranks > 1 else ""
+    return ram / ranks, f"this machine's {ram:.1f} GiB of RAM{shared}"
 
 
 @dataclasses.dataclass
@@ -307,7 +364,7 @@ class MetricsLogger:
     At each checkpoint it has report.py redraw the run report in the background, and on
     leaving the `with` block it records how this start ended and draws the report once
     more, waiting for it, so that report.md and report.png are complete when the command
-    exits."""
+    exits; except after a second Ctrl-C (KeyboardInterrupt), which asks to quit now."""
 
     def __init__(self, cfg, is_main: bool, device: torch.device, world: int,
                  flops: dict[str, float], start_step: int):
@@ -350,7 +407,7 @@ class MetricsLogger:
                     "error": None if exc is None else f"{exc_type.__name__}: {exc}",
                     "elapsed_s": time.perf_counter() - self.start})
         self.jsonl.close()
-        if self.report is not None:
+        if self.report is not None and exc_type is not KeyboardInterrupt:
             self.report.final(None if finished else time.monotonic() + STOP_REPORT_WAIT_S)
         if self.wandb is not None:
             self.wandb.finish()

@@ -1,8 +1,8 @@
 """Prepare: corpus -> byte-level BPE tokenizer -> packed token shards, once, offline.
 
     python prepare.py                                  # the built-in corpus -> data/stdlib-32k
-    python prepare.py --source "corpus/*.txt" --data_dir data/mycorpus
-    python prepare.py --source "shards/*.parquet" --data_dir data/shards  # needs pyarrow
+    python prepare.py --source "data/raw/corpus/*.txt" --data_dir data/mycorpus
+    python prepare.py --source "data/raw/shards/*.parquet" --data_dir data/shards  # pyarrow
     python prepare.py --source HuggingFaceFW/fineweb-edu --subset sample-10BT \
         --max_tokens 2_000_000_000 --data_dir data/fwe # a bounded slice of a streamed dataset
     python prepare.py --verify data/mycorpus           # sha256 of every shard and the tokenizer
@@ -110,7 +110,8 @@ def prepare(source=None, out_dir=None, vocab_size=32768, tokenizer=None, text_fi
         manifest, tokenizer_s = write_dataset(build, corpus, source_name, vocab_size, reused,
                                               tokenizer, shard_tokens, val_fraction, max_tokens,
                                               tokenizer_chars)
-    print_summary(out_dir, manifest, tokenizer_s, time.time() - start)
+    print_summary(out_dir, manifest, tokenizer_s, time.time() - start,
+                  asked=None if reused else vocab_size)
     return manifest
 
 
@@ -227,13 +228,20 @@ def check_out_dir(out_dir: Path, source_dir: Path | None):
                          f"new --data_dir, or delete {out_dir} first to prepare it again")
 
 
-def print_summary(out_dir, manifest: dict, tokenizer_s: float, total_s: float):
+def print_summary(out_dir, manifest: dict, tokenizer_s: float, total_s: float,
+                  asked: int | None):
+    """One line: what was prepared, how fast, and the vocabulary reached, beside the one
+    `asked` for where the tokenizer's training text (the train split, up to tokenizer_chars)
+    ran out of pairs to merge before reaching it."""
     train, val = manifest["splits"]["train"], manifest["splits"]["val"]
+    vocab = f"vocab {manifest['vocab_size']:,}"
+    if asked and manifest["vocab_size"] < asked:
+        vocab += f" (asked for {asked:,}: the tokenizer's training text has no more merges)"
     print(f"data: prepared {out_dir} in {total_s:.1f}s (tokenizer {tokenizer_s:.1f}s, encoding "
           f"{total_s - tokenizer_s:.1f}s): {train['documents']:,} train / {val['documents']:,} "
           f"val documents, {train['tokens']:,} train tokens ({train['bytes'] / train['tokens']:.2f}"
-          f" bytes/token), vocab {manifest['vocab_size']:,}, {len(manifest['skipped_files'])} "
-          f"files skipped (listed in manifest.json)")
+          f" bytes/token), {vocab}, {len(manifest['skipped_files'])} files skipped (listed in "
+          f"manifest.json)")
 
 
 # ---------------------------------------------------------------------------------------

@@ -411,7 +411,10 @@ def boundaries(run: RunLog) -> list[tuple[str, int, float]]:
     return [(what, step, x) for (what, step), x in zip(marks, tokens)]
 
 
-BOUNDARY_STYLE = {"warmup end": ("tab:green", "--"), "decay start": ("tab:orange", "--"),
+# (colour, line style) of each boundary. The decay start, the line a WSD reader looks for,
+# is black dash-dot: no curve is black or dash-dot (the curves take the colour cycle C0, C1,
+# …, grey and red, in solid, dashed and dotted lines), so it never reads as a learning rate.
+BOUNDARY_STYLE = {"warmup end": ("tab:green", "--"), "decay start": ("black", "-."),
                   "data stage": ("tab:purple", "-."), "resume": ("0.5", ":")}
 
 

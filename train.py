@@ -97,12 +97,12 @@ class Run:
                         list(self.optimizers.named.values()), path)
 
 
-def main(cfg: TrainConfig) -> dict:
+def main(cfg: TrainConfig, force: bool = False) -> dict:
     """Train as `cfg` says; return the last logged metrics and the final evaluation."""
     # From here to the end, SIGTERM (a preemption) or Ctrl-C finishes the step in flight,
-    # saves and exits 0; one that comes during setup stops the run after its first step.
+    # saves and exits 0 (a second Ctrl-C quits now); one during setup stops after step 1.
     with checkpoint.StopFlag() as stop:
-        run = setup(cfg)
+        run = setup(cfg, force)  # force (--force): start even past a CPU's RAM
         # The log: the terminal, metrics.jsonl (which the run report is drawn from) and wandb.
         # However the run ends, leaving this block records how, and writes the report.
         with log.MetricsLogger(cfg, run.accelerator.is_main_process, run.accelerator.device,
@@ -167,18 +167,19 @@ def train(run: Run, stop: checkpoint.StopFlag, logger: log.MetricsLogger) -> dic
         if result.stop and run.step != cfg.stop_at_step:
             if bad_steps == 0:
                 save_checkpoint(run, logger)
-            run.accelerator.print(f"stop requested after step {run.step:,}; the newest "
-                                  f"checkpoint is {checkpoint.newest(cfg.out_dir)}; run "
-                                  f"the same command again to resume")
+            run.accelerator.print(f"stop requested after step {run.step:,}; run the same "
+                                  f"command to resume from {checkpoint.newest(cfg.out_dir)}")
             return metrics
 
 
-def setup(cfg: TrainConfig) -> Run:
+def setup(cfg: TrainConfig, force: bool = False) -> Run:
     """Accelerator, data, model, optimizers, and the checkpoint to resume from. Every
     config and data mistake fails here, before any compute."""
     candidates = checkpoint.resume_candidates(cfg.out_dir, cfg.resume)  # refuses overwrites
+    checkpoint.check_unfinished(candidates, cfg.stop_at_step, cfg.resume)  # nothing to train
     launch_warnings = config.check_launch(os.environ, precision(cfg))  # refuses dead keys
     accelerator = make_accelerator(cfg)
+    launch_warnings += log.check_memory(cfg, accelerator, force)  # refuses past a CPU's RAM
     stages = [data.Stage(*stage) for stage in cfg.stages(config.wsd_phases(cfg).decay_start)]
     sources = list(dict.fromkeys(d for stage in stages for d, _ in stage.sources))
     with accelerator.main_process_first():  # rank 0 prepares the built-in corpus if missing
@@ -427,8 +428,7 @@ def give_up(run: Run, bad_steps: int, last_ckpt: int):
         f"(or --grad_clip={cfg.grad_clip:g}) and run again: it resumes from there")
 
 
-# What a user can fix: a bad value, a missing or unreadable file, a run that diverged. These
-# print one line; anything else is a bug and keeps its traceback.
+# What a user can fix is one line (cli.user_errors); anything else keeps its traceback.
 USER_ERRORS = (ValueError, OSError, TrainingDiverged)
 
 
@@ -437,12 +437,12 @@ def cli(argv=None):
     on a GPU, else `tiny`. A user error is one line and exit status 2 (`--debug`: traceback)."""
     argv = sys.argv[1:] if argv is None else argv
     default = "stack100m" if torch.cuda.is_available() else "tiny"
-    with user_errors("--debug" in argv, USER_ERRORS):
+    with user_errors("--debug" in argv, USER_ERRORS, checkpoint.StopFlag.QUIT):
         cfg, args = config.parse_args(argv, default_preset=default)
         if args.preset is None and default == "tiny":
             print("no CUDA GPU found: running the `tiny` preset on the CPU "
                   "(pass --preset stack100m to insist)")
-        main(cfg)
+        main(cfg, args.force)
 
 
 if __name__ == "__main__":

@@ -131,18 +131,27 @@ def test_rng_state_round_trip_restores_every_generator(tmp_path):
     assert draws() == first
 
 
-def test_signals_after_the_first(monkeypatch):
-    """StopFlag's promise: SIGTERM or Ctrl-C asks for a clean stop, and a second Ctrl-C
-    interrupts at once; a second SIGTERM (a launcher passes on the one its workers already
-    got) is still only a request. The old handlers come back on exit."""
+def test_signals_after_the_first(monkeypatch, capfd):
+    """StopFlag's promise: SIGTERM or Ctrl-C asks for a clean stop, and says so at once on
+    rank 0 (once, on stderr); a second Ctrl-C interrupts at once; a second SIGTERM (a
+    launcher passes on the one its workers already got) is still only a request. Other
+    ranks stay quiet. The old handlers come back on exit."""
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    ack = "stopping after this step (Ctrl-C again to quit now)\n"
     with checkpoint.StopFlag() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.requested
+    assert capfd.readouterr().err == ack
     with checkpoint.StopFlag() as stop:
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.requested
+        assert capfd.readouterr().err == ack
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    monkeypatch.setenv("RANK", "1")
+    with checkpoint.StopFlag() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested
+    assert capfd.readouterr().err == ""

@@ -5,15 +5,28 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
+import sysconfig
+import time
+import types
+from pathlib import Path
 
 import pytest
+import torch
 
+import checkpoint
+import cli
+import config
+import data
+import log
 import optim
+import prepare
 import train
 from conftest import micro_config
+from model import Transformer
 from test_train import REPO, cli_args, inject_nan_loss, train_records
 
 # (extra command-line flags, a fragment the one-line message must contain). Each is a
@@ -50,6 +63,8 @@ BAD_FLAGS = [
     (["tiny"], "write overrides as --key=value"),
     (["--config=/nonexistent/run.toml"], "no such file"),
     (["--data_dir=/nonexistent/data"], "python prepare.py"),
+    (["--data_dir=a:0.7 b:0.3"], "write a mixture as DIR:W,DIR:W"),
+    (["--presets", "tiny"], "did you mean --preset?"),
     (["--resume=/nonexistent/step_0000004"], "no train_state.json there"),
     (["--out_dir={out}/file"], "is a file, not a directory"),
 ]
@@ -160,3 +175,156 @@ def test_metrics_are_valid_json_on_every_line(small_data_dir, tmp_path, monkeypa
     assert skipped == [{"kind": "skip", "step": 2, "loss": None, "grad_norm": None}]
     assert [r["step"] for r in lines if "lr_muon" in r] == [1, 2, 3, 4]
     assert next(r for r in lines if r.get("step") == 2 and "lr_muon" in r)["loss"] is None
+
+
+# --- the fix a message suggests works when followed ---------------------------------------
+
+@pytest.mark.parametrize("raw", ["corpus", "data/corpus"])
+def test_raw_text_gets_a_prepare_command_that_works(raw, tmp_path, monkeypatch, capsys):
+    """--data_dir pointing at raw text (a folder of .txt, in the root or under data/) names
+    the prepare command for it, into a folder that is not the source, at the model's vocab
+    size; that command succeeds, and the folder it names is data the model can train on."""
+    monkeypatch.chdir(tmp_path)
+    texts = [p.read_text()[:300] for p in sorted(Path(sysconfig.get_paths()["stdlib"])
+                                                 .glob("*.py"))[:100]]
+    Path(raw).mkdir(parents=True)
+    (Path(raw) / "a.txt").write_text("<|endoftext|>".join(texts * 3))  # 300 documents
+    cfg = micro_config(raw, str(tmp_path / "out"))
+    message = run_cli(cli_args(cfg), capsys)
+    command = message.split("`")[1]
+    argv = shlex.split(command)
+    assert argv[:2] == ["python", "prepare.py"] and f"--source {raw}" in command
+    prepare.main(argv[2:])
+    target = message.rsplit("--data_dir=", 1)[1]
+    assert Path(target).resolve() != Path(raw).resolve() and f"--data_dir {target}" in command
+    data.check_sources([target], cfg.model.vocab_size)  # what train.py checks first
+
+
+@pytest.mark.parametrize("spec", ["a:0.7 b:0.3", "a=0.7,b=0.3"])
+def test_a_mixture_written_another_way_is_refused_with_the_form(spec):
+    """Weights after spaces or equals signs are not read as one directory name: the message
+    names the DIR:W,DIR:W form, and its example, followed, is the mixture meant."""
+    with pytest.raises(ValueError, match="DIR:W,DIR:W") as error:
+        config.parse_mixture(spec)
+    example = str(error.value).rsplit("e.g. data_dir=", 1)[1]
+    assert config.parse_mixture(example) == (("a", 0.7), ("b", 0.3))
+
+
+def test_total_steps_below_the_presets_stop_names_stop_at_step():
+    """tiny stops at step 300: --total_steps=50 alone is refused naming --stop_at_step, and
+    the flag it names, added, makes a valid config."""
+    with pytest.raises(ValueError, match="pass --stop_at_step=50 with it"):
+        config.parse_args(["--preset", "tiny", "--total_steps=50"])
+    cfg, _ = config.parse_args(["--preset", "tiny", "--total_steps=50", "--stop_at_step=50"])
+    assert (cfg.total_steps, cfg.stop_at_step) == (50, 50)
+
+
+# --- a plan that cannot fit ---------------------------------------------------------------
+
+def fake_accelerator(device: str):
+    """What log.check_memory reads of an Accelerator: one process, no sharding, fp32."""
+    return types.SimpleNamespace(num_processes=1, device=torch.device(device),
+                                 distributed_type=types.SimpleNamespace(value="NO"),
+                                 mixed_precision="no")
+
+
+def test_a_plan_past_the_ram_is_refused_before_any_work_and_force_overrides(tmp_path,
+                                                                             capsys):
+    """A model whose weights alone exceed any machine's RAM (a 10^12-token vocabulary) is
+    refused in one line that names --preset tiny and --force, before its data is looked at
+    (the data_dir does not even exist); with --force the run goes on to the data."""
+    cfg = micro_config(str(tmp_path / "no-data"), str(tmp_path / "out"))
+    huge = cli_args(cfg) + ["--model.vocab_size=1000000000000"]
+    message = run_cli(huge, capsys)
+    assert "GiB of RAM" in message and "--preset tiny" in message and "--force" in message
+    assert "does not exist" in run_cli(huge + ["--force"], capsys)
+
+
+def test_the_micro_batch_the_refusal_names_fits(small_data_dir, tmp_path, monkeypatch):
+    """With RAM between the estimates of micro-batches 2 and 4 (computed here from the built
+    model's and optimizers' own parameter counts), micro-batch 4 is refused naming
+    --micro_batch_size=2, and micro-batch 2 passes the same check."""
+    cfg = micro_config(small_data_dir, str(tmp_path))  # micro-batch 4; 1, 2 and 4 split it
+    model = Transformer(cfg.model)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_muon = sum(p.numel() for g in optim.build_optimizers(model, cfg).named["muon"]
+                 .param_groups for p in g["params"])
+
+    def need(micro: int) -> float:
+        plan = dataclasses.replace(cfg, micro_batch_size=micro)
+        return log.memory_estimate(plan, n_params, n_muon, 1, False, False)["total"]
+    ram = (need(2) / 0.9 + need(4)) / 2
+    assert need(2) < 0.9 * ram < ram < need(4)
+    monkeypatch.setattr(log, "memory_capacity", lambda device: (ram, "this test's RAM"))
+    with pytest.raises(ValueError, match=r"use --micro_batch_size=2 \(estimate"):
+        log.check_memory(cfg, fake_accelerator("cpu"), force=False)
+    smaller = dataclasses.replace(cfg, micro_batch_size=2)
+    assert log.check_memory(smaller, fake_accelerator("cpu"), force=False) == []
+
+
+def test_on_a_gpu_a_plan_past_its_memory_is_a_warning(tmp_path, monkeypatch):
+    """The GPU branch, with the device's properties stood in: past its memory the plan is
+    warned about, naming the GPU, and not refused (no --force needed)."""
+    cfg = micro_config(str(tmp_path), str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(total_memory=2**20, name="H0"))
+    [warning] = log.check_memory(cfg, fake_accelerator("cuda"), force=False)
+    assert warning.startswith("warning: the memory estimate") and "GPU's 0.0 GiB (H0)" in warning
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(total_memory=2**40, name="H0"))
+    assert log.check_memory(cfg, fake_accelerator("cuda"), force=False) == []
+
+
+# --- a finished run, and a stop ------------------------------------------------------------
+
+def test_a_finished_run_says_there_is_nothing_to_train(small_data_dir, tmp_path, capsys,
+                                                       monkeypatch):
+    """The same command again after a run finished: one line naming both fixes, exit status
+    0, no model built (test_resume.py: nothing written). From that checkpoint into a new
+    out_dir: the line names the later --stop_at_step, and that fix, followed, trains on."""
+    cfg = micro_config(small_data_dir, str(tmp_path), stop_at_step=4)
+    train.main(cfg)
+    capsys.readouterr()
+    with monkeypatch.context() as mp:
+        mp.setattr(train, "build_model", lambda *a: pytest.fail("built a model"))
+        train.cli(cli_args(cfg))  # returns: exit status 0
+        line = capsys.readouterr().out.strip().splitlines()[-1]
+        assert line == (f"nothing to train: {tmp_path / 'ckpt' / 'step_0000004'} is at step 4, "
+                        f"and this run stops at stop_at_step=4; pass a new --out_dir to train "
+                        f"afresh, or a later --stop_at_step to continue it")
+        with pytest.raises(cli.NothingToDo, match="pass a later --stop_at_step"):
+            train.main(dataclasses.replace(cfg, out_dir=str(tmp_path / "branch"),
+                                           resume=str(tmp_path / "ckpt" / "step_0000004")))
+    assert train.main(dataclasses.replace(cfg, stop_at_step=6))["step"] == 6
+
+
+def test_ctrl_c_is_acknowledged_at_once_and_a_second_one_quits_in_one_line(small_data_dir,
+                                                                           tmp_path):
+    """A real Ctrl-C (SIGINT) to `python train.py` in a step of thousands of micro-batches:
+    the acknowledgement comes at once, not when the step ends; a second Ctrl-C quits with
+    one line, no traceback, exit status 130, and nothing saved."""
+    cfg = micro_config(small_data_dir, str(tmp_path / "out"), global_batch_tokens=2**20)
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "train.py", *cli_args(cfg)], cwd=REPO, env=env,
+                                stdout=stdout, stderr=stderr)
+
+    def wait_for(path: Path, text: str, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while text not in path.read_text():
+            if time.monotonic() > deadline or proc.poll() is not None:
+                return False
+            time.sleep(0.05)
+        return True
+    try:
+        assert wait_for(out, "eval      0 |", 120), out.read_text() + err.read_text()
+        proc.send_signal(signal.SIGINT)  # step 1 has begun: 4,096 micro-batches
+        ack = checkpoint.StopFlag.ACKNOWLEDGEMENT.decode()
+        assert wait_for(err, ack, 5), err.read_text()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        proc.kill()
+    assert err.read_text() == ack + checkpoint.StopFlag.QUIT + "\n"
+    assert not (tmp_path / "out" / "ckpt").exists()

@@ -660,3 +660,20 @@ def test_a_built_in_corpus_folder_without_a_manifest_is_moved_aside_and_prepared
     assert "data/stdlib-4k has no manifest.json" in out and "is missing" not in out
     prepare.ensure_builtin(["data/stdlib-4k"], 4096)  # prepared now: nothing more to do
     assert len(made) == 1
+
+
+def test_a_vocabulary_below_the_one_asked_for_is_stated(corpus, tmp_path, capsys):
+    """The tiny corpus has fewer distinct merges than 5,000: the summary states the
+    vocabulary reached (the tokenizer's own largest id + 1) beside the one asked for. One
+    that reaches it, and a reused tokenizer, say only the vocabulary."""
+    manifest = prepare.prepare(str(corpus[0]), str(tmp_path / "big"), vocab_size=5000,
+                               val_fraction=0.2)
+    tokenizer = Tokenizer.from_file(str(tmp_path / "big" / "tokenizer.json"))
+    reached = max(tokenizer.get_vocab().values()) + 1
+    assert manifest["vocab_size"] == reached < 5000
+    assert f", vocab {reached:,} (asked for 5,000: the tokenizer's training text has no more " \
+           f"merges), " in capsys.readouterr().out
+    prepare.prepare(str(corpus[0]), str(tmp_path / "small"), vocab_size=300, val_fraction=0.2)
+    prepare.prepare(str(corpus[0]), str(tmp_path / "reused"), val_fraction=0.2,
+                    tokenizer=str(tmp_path / "big" / "tokenizer.json"))
+    assert "asked for" not in capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""Every command README.md documents runs as written (a few steps where it trains).
+"""Every command README.md documents runs as written (a few steps where it trains), in
+README's order, in one checkout; and the test command still passes in that checkout.
 
 The commands are read out of README.md itself: its ```bash blocks and the backticked
 commands of its tables. Each must have an entry in HOW, so a new command in README fails
@@ -57,9 +58,10 @@ HOW = {
         "skip", "needs SLURM and GPUs; tests/test_cluster.py runs the script itself with stub "
                 "srun and scontrol"),
     "accelerate launch --config_file accelerate_configs/cpu_ddp.yaml train.py --preset tiny "
-    "--micro_batch_size=8": ("run", FEW_STEPS),
-    'python prepare.py --source "corpus/*.txt" --data_dir data/mycorpus': ("run", []),
-    "python prepare.py --source docs.jsonl --text_field body --data_dir data/docs": ("run", []),
+    "--micro_batch_size=8 --out_dir=out/tiny-ddp": ("run", FEW_STEPS),
+    'python prepare.py --source "data/raw/corpus/*.txt" --data_dir data/mycorpus': ("run", []),
+    "python prepare.py --source data/raw/docs.jsonl --text_field body --data_dir data/docs": (
+        "run", []),
     "python prepare.py --source HuggingFaceFW/fineweb-edu --subset sample-100BT "
     "--max_tokens 20_000_000_000 --data_dir data/fwe": (
         "skip", "downloads a Hugging Face dataset; the datasets path (subset, split) runs "
@@ -73,8 +75,8 @@ HOW = {
     'python prepare.py --source "data/raw/fineweb-edu/sample/10BT/*.parquet" '
     "--max_tokens 20_000_000_000 --data_dir data/fwe": ("run", []),
     "python train.py --preset stack100m --data_dir=data/fwe": (
-        "skip", "trains on a download; the same command runs on data/mycorpus below"),
-    "python prepare.py --source more.txt --tokenizer data/mycorpus/tokenizer.json "
+        "skip", "trains on the download above; the same command runs on data/mycorpus below"),
+    "python prepare.py --source data/raw/more.txt --tokenizer data/mycorpus/tokenizer.json "
     "--data_dir data/more": ("run", []),
     "python prepare.py --verify data/mycorpus": ("run", []),
     "python train.py --preset stack100m --data_dir=data/mycorpus": ("run", CPU_STAND_IN),
@@ -82,16 +84,17 @@ HOW = {
     # same path, so that the recipe's own training commands run as written.
     "python prepare.py --source HuggingFaceTB/smollm-corpus --subset fineweb-edu-dedup "
     "--max_tokens 17_000_000_000 --data_dir data/fwe-dedup": (
-        "instead", "downloads; stand-in: python prepare.py --source corpus "
+        "instead", "downloads; stand-in: python prepare.py --source data/raw/corpus "
                    "--data_dir data/fwe-dedup"),
     "python prepare.py --source HuggingFaceTB/smollm-corpus --subset cosmopedia-v2 "
     "--max_tokens 3_000_000_000 --tokenizer data/fwe-dedup/tokenizer.json --data_dir data/cosmo": (
-        "instead", "downloads; stand-in: python prepare.py --source docs.jsonl --text_field body "
-                   "--tokenizer data/fwe-dedup/tokenizer.json --data_dir data/cosmo"),
+        "instead", "downloads; stand-in: python prepare.py --source data/raw/docs.jsonl "
+                   "--text_field body --tokenizer data/fwe-dedup/tokenizer.json "
+                   "--data_dir data/cosmo"),
     "python prepare.py --source HuggingFaceTB/finemath --subset finemath-4plus "
     "--max_tokens 2_000_000_000 --tokenizer data/fwe-dedup/tokenizer.json "
     "--data_dir data/finemath": (
-        "instead", "downloads; stand-in: python prepare.py --source more.txt "
+        "instead", "downloads; stand-in: python prepare.py --source data/raw/more.txt "
                    "--tokenizer data/fwe-dedup/tokenizer.json --data_dir data/finemath"),
     "python train.py --preset stack100m --config configs/smollm_mixture.toml": (
         "run", CPU_STAND_IN),
@@ -128,6 +131,12 @@ def readme_commands() -> list[str]:
     return commands
 
 
+# What make_corpus writes: README's local inputs, at README's paths, and run.toml.
+INPUTS = ("data/raw/corpus/a.txt", "data/raw/docs.jsonl", "data/raw/more.txt", "run.toml",
+          "data/raw/fineweb-edu/sample/10BT/000_00000.parquet",
+          "data/raw/fineweb-edu/sample/10BT/001_00000.parquet")
+
+
 def make_corpus(cwd: Path):
     """What the corpus commands read: standard-library text as .txt, .jsonl and one more file."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -135,15 +144,17 @@ def make_corpus(cwd: Path):
     # The val split takes the 1% of documents whose key hashes low: a.txt's document 226 is
     # the first, so 300 documents (the texts, three times) give val a document.
     texts = texts * 3
-    (cwd / "corpus").mkdir()
-    (cwd / "corpus" / "a.txt").write_text("<|endoftext|>".join(texts))
+    raw = cwd / "data" / "raw"
+    (raw / "corpus").mkdir(parents=True)  # fails if the copy brought README's inputs along
+    (raw / "corpus" / "a.txt").write_text("<|endoftext|>".join(texts))
     lines = [json.dumps({"body": t}) for t in texts]
-    (cwd / "docs.jsonl").write_text("\n".join(lines))
+    (raw / "docs.jsonl").write_text("\n".join(lines))
     # more.txt: as many documents as it takes for one to hash into the 1% val split
     n_more = next(i for i in range(10_000) if prepare.is_val(f"more.txt:{i}", 0.01)) + 1
-    (cwd / "more.txt").write_text("<|endoftext|>".join(texts[i % len(texts)][:2000]
+    (raw / "more.txt").write_text("<|endoftext|>".join(texts[i % len(texts)][:2000]
                                                        for i in range(n_more)))
-    (cwd / "run.toml").write_text("warmup_steps = 1\nlog_every = 1\n")
+    # a run of its own: without out_dir it would continue out/tiny, which has nothing left
+    (cwd / "run.toml").write_text('out_dir = "out/run"\nwarmup_steps = 1\nlog_every = 1\n')
     write_fineweb_shards(cwd / "data" / "raw" / "fineweb-edu" / "sample" / "10BT", texts)
 
 
@@ -161,15 +172,52 @@ def write_fineweb_shards(folder: Path, texts: list[str]):
         pyarrow.parquet.write_table(table, folder / name, row_group_size=32)
 
 
+def tracked_files(repo: Path) -> list[str]:
+    """The files of the checkout: git's tracked files, so that nothing README's commands made
+    there (out/, data/) or a user keeps there (a corpus, run.toml) is copied; outside a git
+    checkout, every file outside the folders .gitignore names."""
+    try:
+        listed = subprocess.run(["git", "-C", str(repo), "ls-files", "-z"], check=True,
+                                capture_output=True).stdout.decode().split("\0")
+    except (OSError, subprocess.CalledProcessError):
+        listed = []
+    files = [name for name in listed if name and (repo / name).is_file()]
+    ignored = {".git", "out", "wandb", "data", "__pycache__", ".pytest_cache"}
+    return files or [str(p.relative_to(repo)) for p in repo.rglob("*") if p.is_file()
+                     and not ignored & set(p.relative_to(repo).parts)]
+
+
+def checkout(repo: Path, to: Path) -> Path:
+    """Where the commands run: a copy of repo's files (tracked_files), made a git checkout of
+    its own (nothing committed: the code's revision reads unknown, as in any copy), then
+    this test's inputs at README's paths."""
+    for name in tracked_files(repo):
+        (to / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(repo / name, to / name)
+    subprocess.run(["git", "init", "-q"], cwd=to, check=True)
+    subprocess.run(["git", "add", "-f", "."], cwd=to, check=True)
+    make_corpus(to)
+    return to
+
+
+def test_the_copy_holds_the_checkouts_files_and_the_inputs(tmp_path):
+    """The copy the test below works in takes none of what README's commands or a user left
+    in the checkout (out/, data/: the same names would collide with its inputs, and a large
+    corpus would be copied for nothing). The test below runs this one again inside the
+    checkout where it ran README's commands, which is what a user does after them."""
+    cwd = checkout(REPO, tmp_path / "copy")
+    copied = {str(p.relative_to(cwd)) for p in cwd.rglob("*")
+              if p.is_file() and ".git" not in p.relative_to(cwd).parts}
+    assert {"README.md", "train.py", "tests/test_readme.py"} <= copied
+    assert not [p for p in copied - set(INPUTS) if p.startswith(("out/", "data/"))]
+
+
 def test_every_readme_command_runs_as_written(tmp_path):
     commands = readme_commands()
     assert sorted(commands) == sorted(HOW), "README commands changed: update HOW"
-    cwd = tmp_path / "work"
-    shutil.copytree(REPO, cwd, ignore=shutil.ignore_patterns(".git", "out", "wandb", "data",
-                                                             "__pycache__", ".pytest_cache"))
+    cwd = checkout(REPO, tmp_path / "work")
     if (REPO / "data" / "stdlib-4k" / "manifest.json").exists():  # prepared once already
         shutil.copytree(REPO / "data" / "stdlib-4k", cwd / "data" / "stdlib-4k")
-    make_corpus(cwd)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for command, (action, extra) in HOW.items():
         if action == "skip":
@@ -184,9 +232,18 @@ def test_every_readme_command_runs_as_written(tmp_path):
                               timeout=600)
         assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
         assert "Traceback" not in done.stderr, command
+        assert "nothing to train" not in done.stdout, command  # each one that trains, trains
     # The reports README shows: the tiny run's own, written by the command, and the overlay.
     assert "finished at step 2 of 2" in (cwd / "out" / "tiny" / "report.md").read_text()
     assert "# Runs compared: tiny-stable, tiny-anneal-sqrt, tiny-anneal-linear" in (
         cwd / "out" / "compare" / "report.md").read_text()
     for folder in ("tiny", "compare"):
         assert (cwd / "out" / folder / "report.png").stat().st_size > 10_000
+    # Then the test command, in the checkout README's commands ran in (its out/ and data/
+    # hold their outputs): this file's copy step there, which is all of the checkout that
+    # the commands above depend on. (Running this test again would double its time.)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"--basetemp={tmp_path / 'nested'}", "tests/test_readme.py", "-k",
+                           "test_the_copy_holds"], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:]

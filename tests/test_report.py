@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from matplotlib.colors import to_rgba
 
 import config
 import log
@@ -559,3 +560,27 @@ def test_the_reference_runs_kept_in_the_repository():
     readme = (REPO / "README.md").read_text()
     assert f"eval    300 | val_loss {finals[1337]['val_loss']:.4f} | val_bpb " \
            f"{finals[1337]['val_bpb']:.4f}" in readme
+
+
+def test_the_decay_marker_looks_like_no_curve(tmp_path):
+    """Every panel marks the start of the decay leg; the line must not read as a curve (it
+    once was the AdamW lr's orange dashes). Its colour and its line style both differ from
+    every curve's: a run drawn alone (two learning rates, two sources' val losses) and ten
+    runs compared (the whole colour cycle, each drawn solid and dashed)."""
+    evals = {"kind": "eval", "step": 300, "tokens_seen": 30_000, "val_loss": 4.2,
+             "val_bpb": 1.8, "val_loss/a": 4.1, "val_bpb/a": 1.7, "val_loss/b": 4.3,
+             "val_bpb/b": 1.9}
+    for k in range(10):
+        write_log(tmp_path / f"run{k}", [start_record()] + [
+            {**train_record(step, 4.0), "lr_adamw": 5e-4} for step in (100, 200, 300)] + [evals])
+    runs = [report.read_run(tmp_path / f"run{k}") for k in range(10)]
+    for drawn, drawn_gids in ((runs[:1], {"lr_adamw", "val loss/b"}), (runs, {"lr_adamw"})):
+        fig = report.draw(drawn)
+        markers = series(fig, "boundary:decay start:240")
+        curves = [line for ax in fig.axes for line in ax.lines
+                  if not str(line.get_gid()).startswith("boundary:")]
+        assert len(markers) == 6 * len(drawn) and drawn_gids <= {c.get_gid() for c in curves}
+        for marker in markers:
+            for line in curves:
+                assert to_rgba(marker.get_color()) != to_rgba(line.get_color()), line.get_gid()
+                assert marker.get_linestyle() != line.get_linestyle(), line.get_gid()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import checkpoint
+import cli
 import export
 import train
 from conftest import micro_config
@@ -166,15 +167,17 @@ def test_a_run_resumed_from_an_older_checkpoint_keeps_the_newer_one(small_data_d
 
 
 def test_rerunning_a_finished_run_trains_nothing_and_rewrites_nothing(small_data_dir, tmp_path):
-    """The very end: the same command again after the last step evaluates that step once
-    more and samples, but trains no step and writes no checkpoint (its own last one is not
-    written again, nor set aside as replaced)."""
+    """The very end: the same command again after the last step says there is nothing to
+    train (cli.NothingToDo: one line, exit status 0; tests/test_errors.py reads the line),
+    and writes nothing: no record, no checkpoint (its own last one is not written again,
+    nor set aside as replaced)."""
     cfg = micro_config(small_data_dir, str(tmp_path), stop_at_step=4)
     train.main(cfg)
     before = {p.name: p.read_bytes() for p in ckpt(cfg, 4).iterdir()}
-    trained = [r for r in records(cfg) if "loss" in r]
-    train.main(cfg)
-    assert [r for r in records(cfg) if "loss" in r] == trained
+    log_before = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(cli.NothingToDo, match="nothing to train"):
+        train.main(cfg)
+    assert (tmp_path / "metrics.jsonl").read_text() == log_before
     assert sorted(p.name for p in ckpt(cfg, 4).parent.iterdir()) == ["step_0000004"]
     assert {p.name: p.read_bytes() for p in ckpt(cfg, 4).iterdir()} == before
 
