@@ -114,6 +114,12 @@ def due(cfg, step: int) -> bool:
     return bool(cfg.downstream) and (step % every == 0 or step == cfg.stop_at_step)
 
 
+def corpora(cfg) -> list[str]:
+    """The prepared corpora the tasks read (nextline's), which the run prepares first when
+    one is the built-in corpus."""
+    return [path for name, path in config.parse_downstream(cfg.downstream) if name == "nextline"]
+
+
 def load_tasks(cfg, tokenizer_file: str, world: int) -> list[Task]:
     """Every task of cfg.downstream: read, checked, encoded with the run's tokenizer and
     packed for `world` ranks, before any compute."""

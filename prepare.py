@@ -255,25 +255,33 @@ def builtin_data_dir(vocab_size: int) -> str:
 
 def ensure_builtin(sources: list[str], vocab_size: int):
     """Prepare the built-in corpus, if a run reads it and it is not there. This program made
-    that folder itself, so a copy without manifest.json (a preparation that was killed
-    before its rename, or files put there by hand) is moved aside, never deleted, and the
-    corpus prepared again."""
-    builtin = builtin_data_dir(vocab_size)
-    if builtin not in sources or (Path(builtin) / MANIFEST).exists():
+    that folder itself, so a copy it cannot use is moved aside, never deleted, and the
+    corpus prepared again: one without manifest.json (a preparation killed before its
+    rename, or files put there by hand), or one an older stacklm prepared without
+    val_documents.json (the same shards come out: its checkpoints resume)."""
+    builtin = Path(builtin_data_dir(vocab_size))
+    if str(builtin) not in sources or (builtin / VAL_KEYS_FILE).exists():
         return
-    if Path(builtin).exists():
-        aside = Path(f"{builtin}.incomplete")
-        n = 1
-        while aside.exists():
-            n += 1
-            aside = Path(f"{builtin}.incomplete.{n}")
-        Path(builtin).rename(aside)
-        print(f"data: {builtin} has no {MANIFEST}, so it is not a prepared corpus (an "
-              f"interrupted preparation?); moved it to {aside} and preparing it again")
-    else:
+    if not builtin.exists():
         print(f"data: {builtin} is missing; preparing the built-in corpus (the Python standard "
               f"library) with a {vocab_size:,}-token vocabulary")
-    prepare(out_dir=builtin, vocab_size=vocab_size)
+    elif not (builtin / MANIFEST).exists():
+        print(f"data: {builtin} has no {MANIFEST}, so it is not a prepared corpus (an "
+              f"interrupted preparation?); moved it to {set_aside(builtin, 'incomplete')} and "
+              f"preparing it again")
+    else:
+        print(f"data: {builtin} was prepared by an older stacklm (no {VAL_KEYS_FILE}); moved it "
+              f"to {set_aside(builtin, 'old')} and preparing it again")
+    prepare(out_dir=str(builtin), vocab_size=vocab_size)
+
+
+def set_aside(folder: Path, reason: str) -> Path:
+    """Rename `folder` to <name>.<reason> (.<reason>.2, ... if taken) and return the new path."""
+    aside, n = folder.with_name(f"{folder.name}.{reason}"), 1
+    while aside.exists():
+        n += 1
+        aside = folder.with_name(f"{folder.name}.{reason}.{n}")
+    return folder.rename(aside)
 
 
 def stdlib_files() -> tuple[Path, list[Path]]:

@@ -184,7 +184,7 @@ def setup(cfg: TrainConfig, force: bool = False) -> Run:
     sources = list(dict.fromkeys(d for stage in stages for d, _ in stage.sources))
     with accelerator.main_process_first():  # rank 0 prepares the built-in corpus if missing
         if accelerator.is_main_process:
-            prepare.ensure_builtin(sources, cfg.model.vocab_size)
+            prepare.ensure_builtin(sources + downstream.corpora(cfg), cfg.model.vocab_size)
     manifests = data.check_sources(sources, cfg.model.vocab_size)
     tasks = downstream.load_tasks(cfg, data.tokenizer_path(sources[0]), accelerator.num_processes)
     evaluated = data.val_shares(stages, manifests)  # sources with a val split, by weight

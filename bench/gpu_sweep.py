@@ -212,7 +212,7 @@ def measure(variant: Variant, cfg, steps: int, warmup: int, dry_run: bool, t0: f
                                     seed=cfg.seed)
     run = train.Run(cfg=cfg, accelerator=accelerator, model=model, optimizers=optimizers,
                     loader=WithoutDocumentIds(loader) if variant.drop_seq_ids else loader,
-                    stages=[], manifests={}, start=None)
+                    stages=[], manifests={}, start=None, tasks=[])
     try:
         with checkpoint.StopFlag() as stop:
             for step in range(warmup + steps):

@@ -106,7 +106,7 @@ def make_run(cfg, data_dir: str) -> train.Run:
     start = log.Start(log.hardware(accelerator, False), "test", [], {data_dir: 1.0},
                       {data_dir: 1})
     return train.Run(cfg, accelerator, model, optimizers, loader, stages,
-                     {data_dir: data.load_manifest(data_dir)}, start)
+                     {data_dir: data.load_manifest(data_dir)}, start, tasks=[])
 
 
 def train_steps(run: train.Run) -> list[train.StepResult]:

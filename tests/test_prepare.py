@@ -636,30 +636,37 @@ def test_data_dir_names_the_output_and_out_is_its_alias(corpus, tmp_path):
         assert data.load_manifest(tmp_path / flag[2:])["vocab_size"] <= 300
 
 
-def test_a_built_in_corpus_folder_without_a_manifest_is_moved_aside_and_prepared_again(
-        tmp_path, monkeypatch, capsys):
-    """data/stdlib-4k without manifest.json (a preparation killed before its rename) is not
-    "missing": it is said what it is, kept as data/stdlib-4k.incomplete (nothing is
-    deleted), and the corpus is prepared again in its place."""
+@pytest.mark.parametrize("leftover, aside, says", [
+    (["train_00000.bin"], "stdlib-4k.incomplete", "data/stdlib-4k has no manifest.json"),
+    (["train_00000.bin", "manifest.json"], "stdlib-4k.old",
+     "data/stdlib-4k was prepared by an older stacklm (no val_documents.json)")])
+def test_a_built_in_corpus_it_cannot_use_is_moved_aside_and_prepared_again(
+        tmp_path, monkeypatch, capsys, leftover, aside, says):
+    """data/stdlib-4k without manifest.json (a preparation killed before its rename), or
+    from before val_documents.json: it is said what it is, kept aside (nothing is deleted),
+    and the corpus is prepared again in its place; once prepared, nothing more happens."""
     monkeypatch.chdir(tmp_path)
-    leftover = tmp_path / "data" / "stdlib-4k"
-    leftover.mkdir(parents=True)
-    (leftover / "train_00000.bin").write_bytes(b"\0" * 8)
+    folder = tmp_path / "data" / "stdlib-4k"
+    folder.mkdir(parents=True)
+    for name in leftover:
+        (folder / name).write_text("{}")
     made = []
 
     def fake_prepare(out_dir, vocab_size):  # the real one reads the whole standard library
         assert not Path(out_dir).exists()  # prepare refuses a folder that holds files
         made.append((out_dir, vocab_size))
         Path(out_dir).mkdir()
-        (Path(out_dir) / "manifest.json").write_text("{}")
+        for name in ("manifest.json", data.VAL_KEYS_FILE):
+            (Path(out_dir) / name).write_text("{}")
     monkeypatch.setattr(prepare, "prepare", fake_prepare)
     prepare.ensure_builtin(["data/stdlib-4k"], 4096)
     assert made == [("data/stdlib-4k", 4096)]
-    assert (tmp_path / "data" / "stdlib-4k.incomplete" / "train_00000.bin").is_file()
+    assert sorted(p.name for p in (tmp_path / "data" / aside).iterdir()) == sorted(leftover)
     out = capsys.readouterr().out
-    assert "data/stdlib-4k has no manifest.json" in out and "is missing" not in out
+    assert says in out and "is missing" not in out
     prepare.ensure_builtin(["data/stdlib-4k"], 4096)  # prepared now: nothing more to do
     assert len(made) == 1
+
 
 
 def test_a_vocabulary_below_the_one_asked_for_is_stated(corpus, tmp_path, capsys):
