@@ -546,8 +546,10 @@ def test_a_tiny_run_is_read_against_the_reference_seeds(tmp_path, monkeypatch):
 
 
 def test_the_reference_runs_kept_in_the_repository():
-    """Three finished runs of the unmodified tiny preset, one per seed, strict JSON; the
-    default seed's final numbers are the ones README quotes."""
+    """Three finished runs of the unmodified tiny preset, one per seed, strict JSON; the run
+    README shows (the default seed, on this project's machine) ends where the default seed's
+    reference ends, to the drift between machines README states (5e-5 relative) and the
+    fourth decimal it prints."""
     seeds = sorted(report.REFERENCE.glob("seed-*"))
     assert len(seeds) == 3
     finals = {}
@@ -558,8 +560,10 @@ def test_the_reference_runs_kept_in_the_repository():
         finals[start["config"]["seed"]] = records(folder, "eval")[-1]
     assert len(finals) == 3 and 1337 in finals
     readme = (REPO / "README.md").read_text()
-    assert f"eval    300 | val_loss {finals[1337]['val_loss']:.4f} | val_bpb " \
-           f"{finals[1337]['val_bpb']:.4f}" in readme
+    [(loss, bpb)] = re.findall(r"^eval    300 \| val_loss ([\d.]+) \| val_bpb ([\d.]+)", readme,
+                               re.M)
+    assert abs(float(loss) - finals[1337]["val_loss"]) <= 5e-5 * float(loss) + 5e-5
+    assert abs(float(bpb) - finals[1337]["val_bpb"]) <= 5e-5 * float(bpb) + 5e-5
 
 
 def test_the_decay_marker_looks_like_no_curve(tmp_path):
