@@ -193,8 +193,9 @@ def resume(accelerator, candidates: list[Path], load, setting: str, out_dir) -> 
 
 
 def set_aside(path: Path, reason: str) -> Path:
-    """Rename checkpoint folder `path` to <name>.<reason> (.<reason>.2, ... if that is
-    taken): never resumed from, never deleted, never written over."""
+    """Rename folder `path` (a checkpoint, or a built-in corpus prepare.py cannot use) to
+    <name>.<reason> (.<reason>.2, ... if that is taken): never resumed from or read, never
+    deleted, never written over."""
     target, n = path.with_name(f"{path.name}.{reason}"), 1
     while target.exists():
         n += 1

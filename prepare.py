@@ -34,7 +34,9 @@ interrupted run leaves no directory that data.py would read, and a prepared dire
 the source folder itself) is never written into: a rerun there is refused.
 
 Imports from stacklm: data (the format it writes: the EOS token, the file names, the format
-version, the token dtype rule; and the --verify check) and cli (the one-line errors).
+version, the token dtype rule; and the --verify check), cli (the one-line errors) and
+checkpoint (set_aside: a built-in corpus it cannot use is renamed, as a damaged checkpoint
+is).
 """
 
 import argparse
@@ -57,6 +59,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
+from checkpoint import set_aside
 from cli import user_errors
 from data import (EOS_TOKEN, FORMAT_VERSION, MANIFEST, TOKENIZER_FILE, VAL_KEYS_FILE,
                   token_dtype, verify)
@@ -273,15 +276,6 @@ def ensure_builtin(sources: list[str], vocab_size: int):
         print(f"data: {builtin} was prepared by an older stacklm (no {VAL_KEYS_FILE}); moved it "
               f"to {set_aside(builtin, 'old')} and preparing it again")
     prepare(out_dir=str(builtin), vocab_size=vocab_size)
-
-
-def set_aside(folder: Path, reason: str) -> Path:
-    """Rename `folder` to <name>.<reason> (.<reason>.2, ... if taken) and return the new path."""
-    aside, n = folder.with_name(f"{folder.name}.{reason}"), 1
-    while aside.exists():
-        n += 1
-        aside = folder.with_name(f"{folder.name}.{reason}.{n}")
-    return folder.rename(aside)
 
 
 def stdlib_files() -> tuple[Path, list[Path]]:
