@@ -648,7 +648,9 @@ def tiny() -> TrainConfig:
     return TrainConfig(model=tiny_model(), data_dir="data/stdlib-4k", out_dir="out/tiny",
                        seq_len=256, micro_batch_size=16, global_batch_tokens=4096,
                        total_steps=300, stop_at_step=300, warmup_steps=30, decay_fraction=0.2,
-                       log_every=10, eval_every=100, eval_tokens=65_536, ckpt_every=100,
+                       # eval_tokens none: all of val, the documents manifest.json lists,
+                       # so a scorer outside the run reads the same text (README's export)
+                       log_every=10, eval_every=100, eval_tokens=None, ckpt_every=100,
                        keep_last_ckpts=2, sample_tokens=48,
                        downstream="nextline:data/stdlib-4k", downstream_items=TINY_ITEMS)
 

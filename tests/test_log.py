@@ -151,11 +151,11 @@ def test_banner_names_the_loss_unit_and_what_the_mem_column_measures(device, say
 def test_the_banner_says_what_an_evaluation_covers():
     """eval_tokens none reads all of a val split; a smaller eval_tokens reads that many
     whole windows of each source's split, and the banner gives the share."""
-    tiny = config.apply_overrides(config.tiny(), {"eval_tokens": None})
+    tiny = config.tiny()  # eval_tokens none
     assert log.eval_coverage(tiny, {"data/a": 262}) == (
         "eval every 100 steps: all of data/a's val (262 windows of 256 tokens); 67,072 val "
         "tokens per evaluation")
-    part = config.tiny()  # eval_tokens 65,536: 256 windows of 256
+    part = config.apply_overrides(config.tiny(), {"eval_tokens": 65_536})  # 256 windows
     assert log.eval_coverage(part, {"data/a": 262, "data/b": 100}) == (
         "eval every 100 steps: 256 of data/a's 262 val windows (97.7%); all of data/b's val "
         "(100 windows of 256 tokens); 91,136 val tokens per evaluation")
