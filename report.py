@@ -333,16 +333,17 @@ def draw_run(axes: dict, run: RunLog, color: str, name: str):
 
 def draw_accuracy(ax, run: RunLog, color: str | None, prefix: str):
     """Each task's acc_norm (solid) and acc (dashed), and its chance (dotted), in one colour
-    per task; runs compared share their run's colour and tell tasks apart by marker."""
+    per task; runs compared share their run's colour and tell tasks apart by marker. Chance
+    belongs to the task, not the run: runs compared draw it once, in grey."""
     for j, task in enumerate(tasks(run) if ax is not None else []):
         c, marker = color or f"C{j}", "os^vD"[j % 5] if color else "o"
         curve(ax, run, "eval", f"acc_norm/{task}", color=c, marker=marker, ms=3,
               label=f"{prefix}{task} acc_norm", gid=f"acc_norm/{task}")
         curve(ax, run, "eval", f"acc/{task}", color=c, ls="--", lw=1,
               label=f"{prefix}{task} acc", gid=f"acc/{task}")
-        chance = final_accuracies(run)[task]["chance"]
-        ax.axhline(chance, color=c, ls=":", lw=1, label=f"{prefix}{task} chance",
-                   gid=f"chance/{task}")
+        if not any(line.get_gid() == f"chance/{task}" for line in ax.lines):
+            ax.axhline(final_accuracies(run)[task]["chance"], color="0.5" if color else c,
+                       ls=":", lw=1, label=f"{task} chance", gid=f"chance/{task}")
 
 
 def tasks(run: RunLog) -> list[str]:

@@ -519,7 +519,8 @@ def parse_args(argv=None):
                         help="global batch in tokens (the preset's)")
     parser.add_argument("--eval_every", type=int, default=50)
     parser.add_argument("--eval_tokens", type=int, default=65_536,
-                        help="val tokens per evaluation (README's figures: 65,536, 256 of the 262 windows)")
+                        help="val tokens per evaluation (README's figures: 65,536, 256 of "
+                             "the 262 windows)")
     parser.add_argument("--log_every", type=int, default=tiny.log_every)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1337, 1338, 1339])
     parser.add_argument("--arms", nargs="+", default=["adamw_wsd", "muon_wsd"],

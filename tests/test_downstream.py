@@ -235,6 +235,9 @@ def test_the_report_draws_accuracy_against_chance_and_compares_the_finals(tmp_pa
     report.write([tmp_path / "a"])
     assert "| t acc_norm / acc, step 10 | 0.4000 / 0.3000 (chance 0.2500) |" in (
         tmp_path / "a" / "report.md").read_text()
+    both = report.draw([run, report.read_run(tmp_path / "b")])
+    [chance] = [l for ax in both.axes for l in ax.lines if l.get_gid() == "chance/t"]
+    assert chance.get_label() == "t chance"  # once: chance is the task's, not a run's
     report.write([tmp_path / "a", tmp_path / "b"], tmp_path / "both")
     finals = (tmp_path / "both" / "report.md").read_text()
     assert "| wall time | t acc_norm / acc |" in finals and finals.count("0.4000 / 0.3000 |") == 2

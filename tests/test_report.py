@@ -328,7 +328,7 @@ def test_a_cut_last_line_is_left_out_with_one_warning(tmp_path):
     assert out.stdout.splitlines() == [
         f"report: {tmp_path / 'report.md'} and {tmp_path / 'report.png'}",
         "reference: final val loss 4.2000 is outside the reference seeds' spread "
-        "(4.2182–4.2424, 3 seeds): 0.0182 below it"]
+        "(4.2257–4.2491, 3 seeds): 0.0257 below it"]
 
 
 def test_a_step_logged_twice_counts_once_as_its_last_record(tmp_path):
@@ -548,7 +548,7 @@ def test_a_tiny_run_is_read_against_the_reference_seeds(tmp_path, monkeypatch):
 def test_the_reference_runs_kept_in_the_repository():
     """Three finished runs of the unmodified tiny preset, one per seed, strict JSON; the run
     README shows (the default seed, on this project's machine) ends where the default seed's
-    reference ends, to the drift between machines README states (5e-5 relative) and the
+    reference ends, to the drift between machines README states (5.3e-5 relative) and the
     fourth decimal it prints."""
     seeds = sorted(report.REFERENCE.glob("seed-*"))
     assert len(seeds) == 3
@@ -562,8 +562,8 @@ def test_the_reference_runs_kept_in_the_repository():
     readme = (REPO / "README.md").read_text()
     [(loss, bpb)] = re.findall(r"^eval    300 \| val_loss ([\d.]+) \| val_bpb ([\d.]+)", readme,
                                re.M)
-    assert abs(float(loss) - finals[1337]["val_loss"]) <= 5e-5 * float(loss) + 5e-5
-    assert abs(float(bpb) - finals[1337]["val_bpb"]) <= 5e-5 * float(bpb) + 5e-5
+    assert abs(float(loss) - finals[1337]["val_loss"]) <= 5.3e-5 * float(loss) + 5e-5
+    assert abs(float(bpb) - finals[1337]["val_bpb"]) <= 5.3e-5 * float(bpb) + 5e-5
 
 
 def test_the_decay_marker_looks_like_no_curve(tmp_path):
