@@ -20,7 +20,7 @@ import prepare
 REPO = Path(__file__).resolve().parent.parent
 
 # Appended to every command that trains: stop early, evaluate and sample little.
-FEW_STEPS = ["--stop_at_step=2", "--eval_tokens=4096", "--sample_tokens=4",
+FEW_STEPS = ["--stop_at_step=2", "--eval_tokens=1024", "--sample_tokens=4",
              "--downstream_items=4"]
 # Stack-100M itself does not fit a CPU test: the same command with a 1-layer stand-in.
 CPU_STAND_IN = ["--model.n_layers=1", "--model.d_model=64", "--model.n_heads=2",
@@ -218,16 +218,17 @@ def test_every_readme_command_runs_as_written(tmp_path):
     cwd = checkout(REPO, tmp_path / "work")
     if (REPO / "data" / "stdlib-4k" / "manifest.json").exists():  # prepared once already
         shutil.copytree(REPO / "data" / "stdlib-4k", cwd / "data" / "stdlib-4k")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for command, (action, extra) in HOW.items():
         if action == "skip":
             continue
         argv = shlex.split(extra.split("stand-in: ")[1]) if action == "instead" \
             else shlex.split(command) + extra
+        env = dict(os.environ)  # one process: the cores are its own
         if argv[0] == "python":
             argv[0] = sys.executable
         elif argv[:2] == ["accelerate", "launch"]:
             argv = [sys.executable, "-m", "accelerate.commands.launch"] + argv[2:]
+            env["OMP_NUM_THREADS"] = "1"  # two ranks on CI's two cores: a thread each
         done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
                               timeout=600)
         assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
@@ -244,6 +245,6 @@ def test_every_readme_command_runs_as_written(tmp_path):
     # the commands above depend on. (Running this test again would double its time.)
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            f"--basetemp={tmp_path / 'nested'}", "tests/test_readme.py", "-k",
-                           "test_the_copy_holds"], cwd=cwd, env=env, capture_output=True,
+                           "test_the_copy_holds"], cwd=cwd, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:]
