@@ -100,7 +100,7 @@ def prepare(source=None, out_dir=None, vocab_size=32768, tokenizer=None, text_fi
     out_dir = Path(out_dir or builtin_data_dir(vocab_size))
     check_numbers(vocab_size, shard_tokens, val_fraction, max_tokens, tokenizer_chars)
     root, files = find_source(source)
-    check_parquet_reader(files)
+    check_parquet(files, text_field)
     check_out_dir(out_dir, Path(source) if source and Path(source).is_dir() else None)
     reused = check_reused_tokenizer(tokenizer) if tokenizer else None
     source_name = source or f"stdlib:{root}"
@@ -326,12 +326,34 @@ def looks_local(source: str) -> bool:
             or source.count("/") > 1 or Path(source).suffix in LOCAL_SUFFIXES)
 
 
-def check_parquet_reader(files: list[Path]):
-    """pyarrow is optional, as `datasets` is: a source with .parquet files needs it, and is
-    refused without it before any work."""
-    if any(p.suffix == ".parquet" for p in files) and importlib.util.find_spec("pyarrow") is None:
+def check_parquet(files: list[Path], text_field: str):
+    """A source's .parquet files, checked before any work from their footers alone: pyarrow
+    is optional, as `datasets` is, so it may need installing; and every file must hold a
+    text column text_field (in a folder of shards, a file without it means --text_field is
+    wrong for the source). A footer pyarrow cannot read is left to the encode, which skips
+    that file and lists it."""
+    shards = [p for p in files if p.suffix == ".parquet"]
+    if shards and importlib.util.find_spec("pyarrow") is None:
         raise ValueError("--source holds .parquet files, and reading them needs the optional "
                          "`pyarrow` package, which is not installed; `pip install pyarrow`")
+    for path in shards:
+        schema = parquet_schema(path)
+        if schema is not None and not (text_field in schema.names
+                                       and is_text(schema.field(text_field).type)):
+            columns = ", ".join(f"{field.name} ({field.type})" for field in schema)
+            raise ValueError(f"{path} has no text column {text_field!r} (its columns: "
+                             f"{columns}); pass --text_field naming the column of documents")
+
+
+def parquet_schema(path: Path):
+    """The file's columns from its footer, or None where pyarrow cannot read it."""
+    import pyarrow
+    import pyarrow.parquet
+
+    try:
+        return pyarrow.parquet.read_schema(path)
+    except (OSError, pyarrow.ArrowException):
+        return None
 
 
 @dataclass(frozen=True)
@@ -394,22 +416,16 @@ def jsonl_documents(path: Path, key: str, text_field: str, skipped: list):
 
 def parquet_documents(path: Path, key: str, text_field: str, skipped: list):
     """Row N (from 0, across the file's row groups) is document `key:N`. Only the text
-    column is read, a row group at a time, and handed on PARQUET_BATCH_ROWS rows at a time:
-    memory holds the larger of one group and one batch, never the file's column. A file
-    without that column is refused: in a folder of shards, the first such file means
-    --text_field is wrong for all of them. A file pyarrow cannot read is skipped (from the
+    column is read (check_parquet made sure there is one), a row group at a time, and
+    handed on PARQUET_BATCH_ROWS rows at a time: memory holds the larger of one group and
+    one batch, never the file's column. A file pyarrow cannot read is skipped (from the
     bad row group on), and so is a null row."""
-    import pyarrow  # optional: check_parquet_reader refused a parquet source without it
+    import pyarrow  # optional: check_parquet refused a parquet source without it
     import pyarrow.parquet
 
     try:
         # pre_buffer (pyarrow's default) would read the whole file's column before row 0
         with pyarrow.parquet.ParquetFile(path, pre_buffer=False) as parquet:
-            schema = parquet.schema_arrow
-            if text_field not in schema.names or not is_text(schema.field(text_field).type):
-                columns = ", ".join(f"{field.name} ({field.type})" for field in schema)
-                raise ValueError(f"{path} has no text column {text_field!r} (its columns: "
-                                 f"{columns}); pass --text_field naming the column of documents")
             batches = parquet.iter_batches(PARQUET_BATCH_ROWS, columns=[text_field])
             rows = (text for batch in batches for text in batch.column(0).to_pylist())
             for row, document in enumerate(rows):

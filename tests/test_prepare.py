@@ -279,6 +279,27 @@ def test_a_parquet_file_without_the_text_column_is_refused_naming_its_columns(tm
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.tmp").exists()
 
 
+def test_a_later_shard_without_the_text_column_is_refused_before_any_work(tmp_path,
+                                                                          monkeypatch, capsys):
+    """Only the last of three shards lacks the column: the refusal names that file, from the
+    footers, before the tokenizer or the encode reads a row of the first two."""
+    import pyarrow
+    import pyarrow.parquet
+
+    for n in range(2):
+        write_parquet(tmp_path / "s" / f"{n:03d}.parquet", [f"shard {n} row {i}" for i in range(4)])
+    pyarrow.parquet.write_table(pyarrow.table({"body": ["the wrong column"]}),
+                                tmp_path / "s" / "002.parquet")
+    read = []
+    monkeypatch.setattr(prepare, "parquet_documents", lambda path, *rest: read.append(path) or [])
+    with pytest.raises(SystemExit):
+        prepare.main(["--source", str(tmp_path / "s"), "--data_dir", str(tmp_path / "o")])
+    stderr = capsys.readouterr().err
+    assert stderr.count("\n") == 1 and f"{tmp_path / 's' / '002.parquet'} has no text column " \
+        "'text' (its columns: body (string))" in stderr
+    assert read == [] and not (tmp_path / "o").exists() and not (tmp_path / "o.tmp").exists()
+
+
 def test_a_parquet_source_without_pyarrow_says_how_to_install(tmp_path, monkeypatch, capsys):
     write_parquet(tmp_path / "s" / "f.parquet", ["some text"])
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # import fails as if not installed
