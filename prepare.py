@@ -155,7 +155,7 @@ def write_dataset(build: Path, corpus, source_name, vocab_size, reused, tokenize
     dtype = token_dtype(vocab)
     writers = {name: ShardWriter(build, name, dtype, shard_tokens) for name in ("train", "val")}
     skipped = []
-    total_bytes = sum(p.stat().st_size for p in corpus.files) or None
+    total_bytes = sum(text_bytes(p, corpus.text_field) for p in corpus.files) or None
     first_train_key = encode_into(tok, corpus.documents(skipped), writers, val_fraction, eos_id,
                                   total_bytes, max_tokens)
     splits = {name: writer.finish() for name, writer in writers.items()}
@@ -435,6 +435,24 @@ def parquet_documents(path: Path, key: str, text_field: str, skipped: list):
                 yield f"{key}:{row}", document
     except pyarrow.ArrowException as e:
         skipped.append({"file": str(path), "reason": f"{type(e).__name__}: {e}"})
+
+
+def text_bytes(path: Path, text_field: str) -> int:
+    """About how many bytes of text a file holds, for the encode's progress bar: its size
+    on disk, or a parquet file's text column uncompressed (from its footer; parquet files
+    are compressed, and their size would send the bar past 100%)."""
+    if path.suffix != ".parquet":
+        return path.stat().st_size
+    import pyarrow
+    import pyarrow.parquet
+
+    try:
+        footer = pyarrow.parquet.read_metadata(path)
+    except (OSError, pyarrow.ArrowException):
+        return path.stat().st_size  # unreadable: skipped when the corpus is read
+    return sum(column.total_uncompressed_size for g in range(footer.num_row_groups)
+               for column in map(footer.row_group(g).column, range(footer.num_columns))
+               if column.path_in_schema == text_field)
 
 
 def is_text(arrow_type) -> bool:

@@ -300,6 +300,25 @@ def test_a_later_shard_without_the_text_column_is_refused_before_any_work(tmp_pa
     assert read == [] and not (tmp_path / "o").exists() and not (tmp_path / "o.tmp").exists()
 
 
+def test_the_progress_bar_counts_a_parquet_files_text_not_its_compressed_size(tmp_path):
+    """The encode bar's total is the text's UTF-8 bytes (the oracle: the texts written), to
+    the column's per-row overhead, and not the file's size, which compression makes a
+    fraction of it (the bar would pass 100%); a .jsonl file counts its size."""
+    import pyarrow
+    import pyarrow.parquet
+
+    texts = [f"def f{i}():\n    return {i}\n" * 40 for i in range(300)]
+    utf8 = sum(len(text.encode()) for text in texts)
+    path = tmp_path / "f.parquet"
+    urls = [f"https://example.org/{i:0200d}" for i in range(300)]  # a column not counted
+    pyarrow.parquet.write_table(pyarrow.table({"url": urls, "text": texts}), path,
+                                row_group_size=64, compression="zstd")
+    assert path.stat().st_size < utf8 / 4  # what the bar counted before
+    assert utf8 <= prepare.text_bytes(path, "text") <= 1.1 * utf8
+    (tmp_path / "f.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    assert prepare.text_bytes(tmp_path / "f.jsonl", "text") == (tmp_path / "f.jsonl").stat().st_size
+
+
 def test_a_parquet_source_without_pyarrow_says_how_to_install(tmp_path, monkeypatch, capsys):
     write_parquet(tmp_path / "s" / "f.parquet", ["some text"])
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # import fails as if not installed
