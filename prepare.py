@@ -484,11 +484,17 @@ def hf_documents(source: str, text_field: str, subset: str | None, split: str):
 
     if Path(source).is_dir():
         dataset = datasets.load_from_disk(source)
+        if subset:
+            raise ValueError(f"--subset {subset}: {source} is a save_to_disk folder, and only "
+                             f"a hub dataset has subsets; drop --subset")
         if isinstance(dataset, dict):  # a DatasetDict: take the split asked for
             if split not in dataset:
                 raise ValueError(f"dataset {source} has no split {split!r} (it has "
                                  f"{sorted(dataset)}); pass --split")
             dataset = dataset[split]
+        elif split != "train":  # the default: a Dataset is read whole
+            raise ValueError(f"--split {split}: {source} holds one Dataset, not a DatasetDict "
+                             f"of splits; drop --split")
     else:
         dataset = datasets.load_dataset(source, name=subset, split=split, streaming=True)
     for i, row in enumerate(dataset):

@@ -367,6 +367,14 @@ def test_save_to_disk_folders_a_dataset_and_a_dataset_dicts_split(tmp_path, offl
     with pytest.raises(ValueError, match=r"no field 'body' \(fields: \['id', 'text'\]\); "
                                          r"pass --text_field"):
         prepare.prepare(str(flat), str(tmp_path / "o4"), text_field="body")
+    # what a folder cannot choose is refused, not ignored
+    with pytest.raises(ValueError, match=r"--split validation: .*flat holds one Dataset, not a "
+                                         r"DatasetDict of splits; drop --split"):
+        prepare.prepare(str(flat), str(tmp_path / "o5"), split="validation")
+    with pytest.raises(ValueError, match=r"--subset sample-10BT: .*dict is a save_to_disk "
+                                         r"folder, and only a hub dataset has subsets"):
+        prepare.prepare(str(split_dict), str(tmp_path / "o6"), subset="sample-10BT")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(("o3", "o4", "o5", "o6"))]
 
 
 def write_hub_layout(root: Path) -> dict:
