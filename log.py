@@ -253,7 +253,7 @@ def banner(cfg, start: Start, model, optimizers, schedule: str, flops: dict[str,
            f"not evaluated; val_loss is the mean of "
            + ", ".join(f"{d} × {w:.3g}" for d, w in start.evaluated.items())]
           if unevaluated else []),
-        eval_coverage(cfg, start.val_windows),
+        *eval_coverage(cfg, start.val_windows),
         *([downstream_coverage(cfg, start.tasks)] if start.tasks else []),
         f"hardware: {hardware.world} × {hardware.device} ({hardware.distributed}), "
         f"precision {hardware.precision} (the config's mixed_precision={cfg.mixed_precision}, "
@@ -269,9 +269,17 @@ def banner(cfg, start: Start, model, optimizers, schedule: str, flops: dict[str,
     return "\n".join(lines)
 
 
-def eval_coverage(cfg, val_windows: dict[str, int]) -> str:
+# An evaluation whose forward passes cost more than half the training compute between
+# evaluations takes over a third of the run (tiny, which reads all of val, on a corpus of
+# billions of tokens, say): warned about, not refused.
+EVAL_SHARE_WARNED = 0.5
+
+
+def eval_coverage(cfg, val_windows: dict[str, int]) -> list[str]:
     """What each evaluation reads, e.g. `eval every 100 steps: all of data/stdlib-4k's val
-    (262 windows of 256 tokens); 67,072 val tokens per evaluation`."""
+    (262 windows of 256 tokens); 67,072 val tokens per evaluation`, and a warning where it
+    costs more than EVAL_SHARE_WARNED of the training between evaluations (a forward is a
+    third of a trained token: model.flops_per_token)."""
     parts, tokens = [], 0
     for source, total in val_windows.items():
         n = config.eval_windows(cfg, total)
@@ -279,8 +287,14 @@ def eval_coverage(cfg, val_windows: dict[str, int]) -> str:
         parts.append(f"all of {source}'s val ({total:,} windows of {cfg.seq_len:,} tokens)"
                      if n == total else f"{n:,} of {source}'s {total:,} val windows "
                                         f"({n / total:.1%})")
-    return (f"eval every {cfg.eval_every:,} steps: {'; '.join(parts)}; {tokens:,} val tokens "
-            f"per evaluation")
+    lines = [f"eval every {cfg.eval_every:,} steps: {'; '.join(parts)}; {tokens:,} val tokens "
+             f"per evaluation"]
+    share = tokens / 3 / (cfg.eval_every * cfg.global_batch_tokens)
+    if share > EVAL_SHARE_WARNED:
+        lines.append(f"warning: an evaluation costs ~{share:.0%} of the training compute "
+                     f"between evaluations; set eval_tokens (val tokens per source; now "
+                     f"{cfg.eval_tokens or 'none: all of val'}) or a larger eval_every")
+    return lines
 
 
 def downstream_coverage(cfg, tasks: dict[str, dict]) -> str:

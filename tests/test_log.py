@@ -150,12 +150,23 @@ def test_banner_names_the_loss_unit_and_what_the_mem_column_measures(device, say
 
 def test_the_banner_says_what_an_evaluation_covers():
     """eval_tokens none reads all of a val split; a smaller eval_tokens reads that many
-    whole windows of each source's split, and the banner gives the share."""
+    whole windows of each source's split, and the banner gives the share. An evaluation
+    that costs over half the training compute between evaluations is warned about."""
     tiny = config.tiny()  # eval_tokens none
-    assert log.eval_coverage(tiny, {"data/a": 262}) == (
+    assert log.eval_coverage(tiny, {"data/a": 262}) == [
         "eval every 100 steps: all of data/a's val (262 windows of 256 tokens); 67,072 val "
-        "tokens per evaluation")
+        "tokens per evaluation"]
     part = config.apply_overrides(config.tiny(), {"eval_tokens": 65_536})  # 256 windows
-    assert log.eval_coverage(part, {"data/a": 262, "data/b": 100}) == (
+    assert log.eval_coverage(part, {"data/a": 262, "data/b": 100}) == [
         "eval every 100 steps: 256 of data/a's 262 val windows (97.7%); all of data/b's val "
-        "(100 windows of 256 tokens); 91,136 val tokens per evaluation")
+        "(100 windows of 256 tokens); 91,136 val tokens per evaluation"]
+    # plain math: a forward is 2 of a trained token's 6 FLOPs per parameter, and 100 steps
+    # train 409,600 tokens: 3,200 windows cost 819,200 / 3 / 409,600 = 67%; 2,400, half
+    for windows, warned in ((3_200, ["warning: an evaluation costs ~67% of the training "
+                                     "compute between evaluations; set eval_tokens (val "
+                                     "tokens per source; now none: all of val) or a larger "
+                                     "eval_every"]),
+                            (2_400, []), (2_000_000, ["~41667%"])):
+        lines = log.eval_coverage(tiny, {"data/big": windows})
+        assert len(lines) == 1 + len(warned) and all(w in line for w, line in
+                                                     zip(warned, lines[1:]))
