@@ -275,11 +275,17 @@ def banner(cfg, start: Start, model, optimizers, schedule: str, flops: dict[str,
 EVAL_SHARE_WARNED = 0.5
 
 
+def forward_share(cfg, forward_tokens: int, every: int) -> float:
+    """What `forward_tokens` forward tokens cost every `every` steps, as a share of the
+    training compute between them: a forward is a third of a trained token (2 of the 6
+    FLOPs per parameter: model.flops_per_token)."""
+    return forward_tokens / 3 / (every * cfg.global_batch_tokens)
+
+
 def eval_coverage(cfg, val_windows: dict[str, int]) -> list[str]:
     """What each evaluation reads, e.g. `eval every 100 steps: all of data/stdlib-4k's val
     (262 windows of 256 tokens); 67,072 val tokens per evaluation`, and a warning where it
-    costs more than EVAL_SHARE_WARNED of the training between evaluations (a forward is a
-    third of a trained token: model.flops_per_token)."""
+    costs more than EVAL_SHARE_WARNED of the training between evaluations."""
     parts, tokens = [], 0
     for source, total in val_windows.items():
         n = config.eval_windows(cfg, total)
@@ -289,7 +295,7 @@ def eval_coverage(cfg, val_windows: dict[str, int]) -> list[str]:
                                         f"({n / total:.1%})")
     lines = [f"eval every {cfg.eval_every:,} steps: {'; '.join(parts)}; {tokens:,} val tokens "
              f"per evaluation"]
-    share = tokens / 3 / (cfg.eval_every * cfg.global_batch_tokens)
+    share = forward_share(cfg, tokens, cfg.eval_every)
     if share > EVAL_SHARE_WARNED:
         lines.append(f"warning: an evaluation costs ~{share:.0%} of the training compute "
                      f"between evaluations; set eval_tokens (val tokens per source; now "
@@ -300,15 +306,14 @@ def eval_coverage(cfg, val_windows: dict[str, int]) -> list[str]:
 def downstream_coverage(cfg, tasks: dict[str, dict]) -> str:
     """What each scoring costs and what chance is, e.g. `downstream every 100 steps:
     nextline 100 items (chance 0.250); 102,400 forward tokens per scoring, ~8.3% of the
-    training compute between scorings`. A forward costs a third of a trained token (2 of
-    the 6 FLOPs per parameter: model.flops_per_token)."""
+    training compute between scorings` (forward_share)."""
     every = cfg.downstream_every or cfg.eval_every
     parts = [f"{name} {task['items']:,} items (chance {task['chance']:.3f})"
              for name, task in tasks.items()]
     tokens = sum(task["forward_tokens"] for task in tasks.values())
     return (f"downstream every {every:,} steps: {'; '.join(parts)}; {tokens:,} forward tokens "
-            f"per scoring, ~{tokens / 3 / (every * cfg.global_batch_tokens):.1%} of the "
-            f"training compute between scorings")
+            f"per scoring, ~{forward_share(cfg, tokens, every):.1%} of the training compute "
+            f"between scorings")
 
 
 # ---------------------------------------------------------------------------------------

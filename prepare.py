@@ -337,21 +337,23 @@ def check_parquet(files: list[Path], text_field: str):
         raise ValueError("--source holds .parquet files, and reading them needs the optional "
                          "`pyarrow` package, which is not installed; `pip install pyarrow`")
     for path in shards:
-        schema = parquet_schema(path)
-        if schema is not None and not (text_field in schema.names
-                                       and is_text(schema.field(text_field).type)):
+        footer = parquet_footer(path)
+        if footer is None:
+            continue  # unreadable: the encode skips the file and lists it
+        schema = footer.schema.to_arrow_schema()
+        if not (text_field in schema.names and is_text(schema.field(text_field).type)):
             columns = ", ".join(f"{field.name} ({field.type})" for field in schema)
             raise ValueError(f"{path} has no text column {text_field!r} (its columns: "
                              f"{columns}); pass --text_field naming the column of documents")
 
 
-def parquet_schema(path: Path):
-    """The file's columns from its footer, or None where pyarrow cannot read it."""
+def parquet_footer(path: Path):
+    """The file's footer (its columns and row groups), or None where pyarrow cannot read it."""
     import pyarrow
     import pyarrow.parquet
 
     try:
-        return pyarrow.parquet.read_schema(path)
+        return pyarrow.parquet.read_metadata(path)
     except (OSError, pyarrow.ArrowException):
         return None
 
@@ -441,15 +443,9 @@ def text_bytes(path: Path, text_field: str) -> int:
     """About how many bytes of text a file holds, for the encode's progress bar: its size
     on disk, or a parquet file's text column uncompressed (from its footer; parquet files
     are compressed, and their size would send the bar past 100%)."""
-    if path.suffix != ".parquet":
+    footer = parquet_footer(path) if path.suffix == ".parquet" else None
+    if footer is None:  # not parquet, or unreadable (skipped when the corpus is read)
         return path.stat().st_size
-    import pyarrow
-    import pyarrow.parquet
-
-    try:
-        footer = pyarrow.parquet.read_metadata(path)
-    except (OSError, pyarrow.ArrowException):
-        return path.stat().st_size  # unreadable: skipped when the corpus is read
     return sum(column.total_uncompressed_size for g in range(footer.num_row_groups)
                for column in map(footer.row_group(g).column, range(footer.num_columns))
                if column.path_in_schema == text_field)

@@ -335,6 +335,7 @@ def draw_accuracy(ax, run: RunLog, color: str | None, prefix: str):
     """Each task's acc_norm (solid) and acc (dashed), and its chance (dotted), in one colour
     per task; runs compared share their run's colour and tell tasks apart by marker. Chance
     belongs to the task, not the run: runs compared draw it once, in grey."""
+    finals = final_accuracies(run)
     for j, task in enumerate(tasks(run) if ax is not None else []):
         c, marker = color or f"C{j}", "os^vD"[j % 5] if color else "o"
         curve(ax, run, "eval", f"acc_norm/{task}", color=c, marker=marker, ms=3,
@@ -342,7 +343,7 @@ def draw_accuracy(ax, run: RunLog, color: str | None, prefix: str):
         curve(ax, run, "eval", f"acc/{task}", color=c, ls="--", lw=1,
               label=f"{prefix}{task} acc", gid=f"acc/{task}")
         if not any(line.get_gid() == f"chance/{task}" for line in ax.lines):
-            ax.axhline(final_accuracies(run)[task]["chance"], color="0.5" if color else c,
+            ax.axhline(finals[task]["chance"], color="0.5" if color else c,
                        ls=":", lw=1, label=f"{task} chance", gid=f"chance/{task}")
 
 
