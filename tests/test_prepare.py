@@ -361,20 +361,22 @@ def test_save_to_disk_folders_a_dataset_and_a_dataset_dicts_split(tmp_path, offl
     prepare.main(["--source", str(split_dict), "--split", "validation", "--data_dir",
                   str(tmp_path / "o2"), "--vocab_size", "300", "--val_fraction", "0"])
     assert decoded_documents(tmp_path / "o2", "train") == texts["validation"]
-    with pytest.raises(ValueError, match=r"has no split 'test' \(it has \['train', "
-                                         r"'validation'\]\); pass --split"):
-        prepare.prepare(str(split_dict), str(tmp_path / "o3"), split="test")
-    with pytest.raises(ValueError, match=r"no field 'body' \(fields: \['id', 'text'\]\); "
-                                         r"pass --text_field"):
-        prepare.prepare(str(flat), str(tmp_path / "o4"), text_field="body")
-    # what a folder cannot choose is refused, not ignored
-    with pytest.raises(ValueError, match=r"--split validation: .*flat holds one Dataset, not a "
-                                         r"DatasetDict of splits; drop --split"):
-        prepare.prepare(str(flat), str(tmp_path / "o5"), split="validation")
-    with pytest.raises(ValueError, match=r"--subset sample-10BT: .*dict is a save_to_disk "
-                                         r"folder, and only a hub dataset has subsets"):
-        prepare.prepare(str(split_dict), str(tmp_path / "o6"), subset="sample-10BT")
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(("o3", "o4", "o5", "o6"))]
+    refused = [  # the last two: what a folder cannot choose is refused, not ignored
+        (split_dict, {"split": "test"},
+         r"has no split 'test' \(it has \['train', 'validation'\]\); pass --split"),
+        (flat, {"text_field": "body"},
+         r"no field 'body' \(fields: \['id', 'text'\]\); pass --text_field"),
+        (flat, {"split": "validation"},
+         r"--split validation: .*flat holds one Dataset, not a DatasetDict of splits; drop "
+         r"--split"),
+        (split_dict, {"subset": "sample-10BT"},
+         r"--subset sample-10BT: .*dict is a save_to_disk folder, and only a hub dataset has "
+         r"subsets"),
+    ]
+    for n, (source, knobs, message) in enumerate(refused):
+        with pytest.raises(ValueError, match=message):
+            prepare.prepare(str(source), str(tmp_path / f"refused{n}"), **knobs)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("refused")]
 
 
 def write_hub_layout(root: Path) -> dict:
