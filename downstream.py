@@ -50,8 +50,8 @@ its first downstream_items (lm_eval --limit N takes the first N documents too).
                     the next line of a val document given the lines before it (NEXTLINE_*)
     any other name  JSONL of {"context": str, "choices": [str, ...], "gold": int}
 
-Imports from stacklm: config (the task list's syntax) and data (a corpus's manifest, its
-val documents' keys, the tokenizer and the EOS text).
+Imports from stacklm: config (the task list's syntax), data (a corpus's manifest and its
+val documents' keys) and prepare (how a key names a document, and reading it).
 """
 
 import bisect
@@ -69,6 +69,7 @@ from tokenizers import Tokenizer
 
 import config
 import data
+import prepare
 
 # The next-line task. Lines shorter than this (`else:`, `)`) recur across files, so a
 # distractor could be the answer itself; each context is the whole lines before the answer
@@ -269,8 +270,8 @@ def context_before(lines: list[str], i: int) -> str:
 
 
 def val_documents(data_dir: str) -> list[str]:
-    """The texts of a prepared corpus's val documents, read from the files its keys name:
-    FILE, or FILE.txt:N for the N-th EOS-separated document of a .txt (prepare.py's keys)."""
+    """The texts of a prepared corpus's val documents, in stream order, read again from the
+    files their keys name, as prepare.py read them (prepare.file_documents)."""
     manifest = data.load_manifest(data_dir)
     root = Path(manifest["source"].removeprefix("stdlib:"))  # the built-in corpus's root
     keys_file = manifest["splits"]["val"].get("keys")
@@ -278,20 +279,18 @@ def val_documents(data_dir: str) -> list[str]:
         raise ValueError(f"downstream task nextline:{data_dir}: needs a corpus prepared from "
                          f"a folder of files, with val_documents.json (source "
                          f"{manifest['source']!r}); point it at the built-in corpus")
-    texts = []
-    for key in json.loads((Path(data_dir) / keys_file).read_text()):
-        name, _, n = key.rpartition(":")
-        try:
-            if name.endswith(".txt") and n.isdigit():
-                with open(root / name, encoding="utf-8", newline="") as f:
-                    texts.append(f.read().split(data.EOS_TOKEN)[int(n)])
-            else:
-                texts.append((root / key).read_bytes().decode("utf-8"))
-        except (OSError, UnicodeDecodeError, IndexError) as e:
-            raise ValueError(f"downstream task nextline:{data_dir}: val document {key} cannot "
-                             f"be read from {root} ({e.__class__.__name__}: {e}); the files it "
-                             f"was prepared from have changed") from None
-    return texts
+    keys = json.loads((Path(data_dir) / keys_file).read_text())
+    wanted, found, skipped = set(keys), {}, []
+    for path in dict.fromkeys(root / prepare.key_file(key) for key in keys):
+        found.update((key, text) for key, text in prepare.file_documents(
+            path, root, manifest["text_field"], skipped) if key in wanted)
+    lost = [key for key in keys if key not in found]
+    if lost:
+        why = f" ({skipped[0]['reason']})" if skipped else ""
+        raise ValueError(f"downstream task nextline:{data_dir}: val document {lost[0]} cannot "
+                         f"be read from {root}{why}; the files it was prepared from have "
+                         f"changed")
+    return [found[key] for key in keys]
 
 
 # ---------------------------------------------------------------------------------------

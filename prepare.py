@@ -402,6 +402,13 @@ def file_documents(path: Path, root: Path, text_field: str, skipped: list):
         skipped.append({"file": str(path), "reason": f"{type(e).__name__}: {e}"})
 
 
+def key_file(key: str) -> str:
+    """The file a document's key names: `FILE:N` is the N-th document of a .txt, .jsonl or
+    .parquet file (file_documents' keys), any other key a whole file."""
+    name, _, n = key.rpartition(":")
+    return name if n.isdigit() and Path(name).suffix in (".txt", ".jsonl", ".parquet") else key
+
+
 def jsonl_documents(path: Path, key: str, text_field: str, skipped: list):
     with open(path, "rb") as f:
         for line_number, line in enumerate(f, 1):

@@ -204,6 +204,41 @@ def test_bad_downstream_knobs_are_refused(overrides, message, tmp_path):
         micro_config("data", str(tmp_path), **overrides)
 
 
+def test_val_documents_are_read_back_from_every_kind_of_file_by_their_keys(tmp_path):
+    """A corpus of a .jsonl, a .parquet, a .txt of several documents and a whole file: the
+    val documents read back are the texts written under the keys val_documents.json lists
+    (the oracle: the texts, by key), in its order; a file changed since is refused in one
+    line naming the document."""
+    import pyarrow
+    import pyarrow.parquet
+
+    import prepare
+    texts = {f"{kind} document {i}\n" + "x = 1\n" * (i % 7): (kind, i)
+             for kind in ("jsonl", "parquet", "txt") for i in range(60)}
+    by_kind = {kind: [text for text, (k, _) in texts.items() if k == kind]
+               for kind in ("jsonl", "parquet", "txt")}
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.jsonl").write_text("".join(json.dumps({"text": text}) + "\n"
+                                          for text in by_kind["jsonl"]))
+    pyarrow.parquet.write_table(pyarrow.table({"text": by_kind["parquet"]}), root / "b.parquet")
+    (root / "c.txt").write_text("<|endoftext|>".join(by_kind["txt"]))
+    (root / "d.py").write_text("whole = True\n")
+    keyed = {**{f"a.jsonl:{i + 1}": t for i, t in enumerate(by_kind["jsonl"])},
+             **{f"b.parquet:{i}": t for i, t in enumerate(by_kind["parquet"])},
+             **{f"c.txt:{i}": t for i, t in enumerate(by_kind["txt"])}, "d.py": "whole = True\n"}
+    out = tmp_path / "data"
+    prepare.prepare(source=str(root), out_dir=str(out), vocab_size=300, val_fraction=0.2)
+    keys = json.loads((out / "val_documents.json").read_text())
+    assert {key.split(":")[0] for key in keys} >= {"a.jsonl", "b.parquet", "c.txt"}
+    assert downstream.val_documents(str(out)) == [keyed[key] for key in keys]
+    (root / "c.txt").write_text("changed")
+    lost = next(key for key in keys if key.startswith("c.txt:") and key != "c.txt:0")
+    with pytest.raises(ValueError, match=f"val document {lost} cannot be read from .*; the "
+                                         f"files it was prepared from have changed"):
+        downstream.val_documents(str(out))
+
+
 def test_the_next_line_items_are_fixed_and_ask_for_the_true_next_line(small_data_dir):
     """Two reads give the same items; each gold choice is the line that follows its context
     in a val document, and no other choice is that line."""
