@@ -10,7 +10,7 @@
 # SLURM sends SIGTERM to every process of the job step: each rank finishes its step, saves
 # a checkpoint and exits 0. torch's elastic agent inside `accelerate launch` waits
 # TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (240 here, inside those 300) for the ranks, then
-# exits 1 however they ended. So the first rank of each node records how the run ended in
+# the launcher exits non-zero however they ended (accelerate 1.15: 1, 1.16: 143). So the first rank of each node records how the run ended in
 # the file STACKLM_OUTCOME names ("stopped STEP" or "finished STEP"): the launch line exits
 # 0 when it holds one, and this script requeues the job when the run stopped unfinished.
 # The requeued job runs this same command, which resumes from the newest checkpoint.

@@ -180,7 +180,7 @@ def test_slurm_script_on_two_nodes_saves_on_sigterm_requeues_and_resumes_exactly
 
 # accelerate on one "node", for the tests of the script's own logic: it keeps its arguments
 # (NUL-separated) and the environment the script gave it, records the ending STUB_ENDING
-# names where STACKLM_OUTCOME says ("crashed": none), and exits 1, as torch's elastic agent
+# names where STACKLM_OUTCOME says ("crashed": none), and exits non-zero, as the launcher
 # does after a SIGTERM however the ranks ended. No training: each test takes seconds.
 ACCELERATE = """#!/bin/bash
 printf '%s\\0' "$@" > "$TMPDIR/accelerate.args$SLURM_NODEID"
@@ -308,17 +308,18 @@ def test_sigterm_to_the_launcher_alone_saves_and_records_the_stop(small_data_dir
                                                                   straight):
     """accelerate launch, 2 ranks; SIGTERM to the launcher only (torch's workers start
     sessions of their own, so only the launcher gets a terminal's or a kill's signal). Its
-    elastic agent passes it on to each rank, waits for them, then exits 1 although each
-    saved and exited 0: the outcome file is what says the run stopped cleanly."""
+    elastic agent passes it on to each rank and waits for them; each saves and exits 0, and
+    the outcome file says the run stopped cleanly. The launcher's own exit status is not
+    asserted: it says nothing about the ranks, and it differs between the accelerate
+    versions requirements.txt admits (1.15's exits 1, 1.16's 143)."""
     cfg = preemptible(small_data_dir, str(tmp_path / "run"))
     launcher = start_two_ranks(cfg, tmp_path / "out")
     wait_for_steps(cfg, 3, launcher)
     launcher.send_signal(signal.SIGTERM)
     output, _ = launcher.communicate(timeout=120)
-    assert launcher.returncode == 1, output[-3000:]  # the agent re-raises the signal
-    assert output.count("stop requested after step") == 1  # rank 0 prints it
+    assert output.count("stop requested after step") == 1, output[-3000:]  # rank 0 prints it
     word, stopped_at = outcome(tmp_path / "out")
-    assert word == "stopped" and 3 <= stopped_at < 120
+    assert word == "stopped" and 3 <= stopped_at < 120, output[-3000:]
     assert checkpoint.find(cfg.out_dir, "auto") == checkpoint.step_path(cfg.out_dir, stopped_at)
     assert processes_of(cfg.out_dir) == []
 
