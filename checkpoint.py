@@ -12,22 +12,30 @@ weights back (for export.py).
 A checkpoint is written into `step_XXXXXXX.tmp` and renamed when every rank is done, so a
 crash mid-write leaves the previous checkpoint as the newest complete one; only complete
 folders (a bare `step_` + digits name holding train_state.json) are ever resumed from.
-Nothing here runs code from a checkpoint: tensors and RNG states are read with
-torch.load(weights_only=True), and DCP's pickled `.metadata` through an allowlist.
+Nothing here runs code from a checkpoint. What is read, and how: DCP's `.metadata` (a
+pickle) through an allowlist of the classes DCP metadata holds (MetadataUnpickler); the
+tensor files (`*.distcp`) as DCP reads them, with torch.load(weights_only=True); the
+checkpoint's entries that are not tensors (the optimizers' param-group values) with
+torch.load(weights_only=True) too, where DCP's default planner would unpickle them whole
+(WeightsOnlyLoadPlanner); `rng_rank<r>.pt` with weights_only=True; train_state.json as JSON.
+A file or entry any of these refuses stops the run, named (UnsafeCheckpointError).
 `resume` picks the checkpoint a run continues, setting damaged ones aside; `read_train_state`
 reads any format this trainer has written. `StopFlag` turns a preemption's SIGTERM into
 "finish the step, save, exit 0", and `record_outcome` tells a launch script that it did (a
 launcher cannot). export.py turns a checkpoint into files other programs load.
 
-Imports from stacklm: cli (NothingToDo, for a run that would train nothing). It takes a
-model, optimizers and plain values.
+Imports from stacklm: cli (NothingToDo, for a run that would train nothing; is_rank0, for
+the one acknowledgement of a stop). It takes a model, optimizers and plain values.
 """
 
 import contextlib
+import functools
 import json
+import operator
 import os
 import pickle
 import random
+import re
 import shutil
 import signal
 import threading
@@ -37,10 +45,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from cli import NothingToDo
+from cli import NothingToDo, is_rank0
 
 # DCP warns that it "assumes the intent is to save in a single process" when no process
 # group exists: that is exactly the single-process case.
@@ -74,6 +83,13 @@ METADATA_GLOBALS = {
 }
 
 
+def unsafe_error(what: str, held: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"{what}: holds {held}, which a checkpoint this trainer wrote never does; refusing to "
+        f"read it (unpickling it could run code). Delete this checkpoint folder or replace it "
+        f"with one this trainer wrote")
+
+
 class MetadataUnpickler(pickle.Unpickler):
     """An unpickler that resolves only METADATA_GLOBALS and torch dtypes."""
 
@@ -85,20 +101,54 @@ class MetadataUnpickler(pickle.Unpickler):
         is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if is_dtype or name in METADATA_GLOBALS.get(module, ()):
             return super().find_class(module, name)
-        raise UnsafeCheckpointError(
-            f"{self.path}: refers to {module}.{name}, which DCP metadata never holds; refusing "
-            f"to read it (unpickling it could run code). Delete this checkpoint folder or "
-            f"replace it with one this trainer wrote")
+        raise unsafe_error(str(self.path), f"a reference to {module}.{name}")
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except for the entries that are not tensors (an optimizer's
+    param-group values: lr, betas, flags, parameter names): DCP's own unpickles each with
+    torch.load(weights_only=False), which runs whatever a crafted entry asks; this one reads
+    them with weights_only=True (plain values only) and refuses any other. A refusal is kept
+    in `refused`: DCP reports a failed read as its own CheckpointException."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path, self.refused = path, None
+
+    def load_bytes(self, read_item, value):
+        fqn = read_item.dest_index.fqn
+        try:
+            entry = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            self.refused = unsafe_error(f"{self.path}: entry {fqn}", weights_only_refusal(e))
+            raise self.refused from None
+        # Where DCP's own puts the value: a flattened name maps to a path in the nested dict.
+        *parents, last = self.mappings[fqn] if self.flatten_state_dict else (fqn,)
+        functools.reduce(operator.getitem, parents, self.original_state_dict)[last] = entry
+
+
+def weights_only_refusal(error: pickle.UnpicklingError) -> str:
+    """What torch's weights-only unpickler refused, in a few words ("a reference to
+    posix.mkdir"), from its message."""
+    found = re.search(r"GLOBAL (\S+)", str(error))
+    return f"a reference to {found.group(1)}" if found else "more than tensors and plain values"
 
 
 def read_dcp(state_dict: dict, path: Path):
-    """dcp.load into `state_dict` (in place, resharding as needed), after checking that the
-    folder's `.metadata` pickle refers to nothing but METADATA_GLOBALS. (DCP reads the tensor
-    files themselves with torch.load(weights_only=True).)"""
+    """dcp.load into `state_dict` (in place, resharding as needed), reading nothing that could
+    run code: the folder's `.metadata` pickle must refer to nothing but METADATA_GLOBALS,
+    the tensor files are read as DCP reads them, with torch.load(weights_only=True), and the
+    non-tensor entries through WeightsOnlyLoadPlanner."""
     metadata = Path(path) / ".metadata"
     with open(metadata, "rb") as f:
         MetadataUnpickler(f, metadata).load()  # raises UnsafeCheckpointError before any call
-    dcp.load(state_dict, checkpoint_id=str(path))
+    planner = WeightsOnlyLoadPlanner(Path(path))
+    try:
+        dcp.load(state_dict, checkpoint_id=str(path), planner=planner)
+    except dcp.CheckpointException:
+        if planner.refused:
+            raise planner.refused from None
+        raise
 
 
 def ckpt_root(out_dir) -> Path:
@@ -123,18 +173,31 @@ def newest(out_dir) -> str:
 
 
 def resume_candidates(out_dir, resume: str) -> list[Path]:
-    """The checkpoints to try, in order. `resume`: "auto" = every complete checkpoint in
-    out_dir, newest first (the caller falls back to older ones if one is damaged); a path =
-    that checkpoint; "none" = a fresh start, refused where it would overwrite checkpoints."""
+    """The checkpoints to try, in order. `resume`:
+    - "auto": every complete checkpoint in out_dir, newest first (the caller falls back to
+      older ones if one is damaged);
+    - a path in out_dir's own ckpt folder: that checkpoint, as named (how to go back to one);
+    - a path elsewhere: where a branched run (an anneal from the stable run's checkpoint)
+      begins, while out_dir holds no checkpoint of its own; once it does, its own, as for
+      "auto", so that the same command continues the branch rather than begin it again
+      (torchtitan's checkpoint.initial_load_path);
+    - "none": a fresh start, refused where it would overwrite checkpoints."""
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise ValueError(f"out_dir={out_dir} is a file, not a directory; choose another --out_dir")
+    own = complete_checkpoints(out_dir)[::-1]
     if resume == "none":
-        if complete_checkpoints(out_dir):
+        if own:
             raise ValueError(f"resume=none: out_dir={out_dir} already holds checkpoints (newest "
                              f"{newest(out_dir)}) that a fresh run would overwrite; continue "
                              f"them with --resume=auto, or start afresh in a new --out_dir")
         return []
-    return complete_checkpoints(out_dir)[::-1] if resume == "auto" else [find(out_dir, resume)]
+    if resume == "auto" or own and not is_inside(resume, ckpt_root(out_dir)):
+        return own
+    return [find(out_dir, resume)]
+
+
+def is_inside(path, folder: Path) -> bool:
+    return Path(path).resolve().is_relative_to(folder.resolve())
 
 
 def check_unfinished(candidates: list[Path], stop_at_step: int, resume: str):
@@ -159,6 +222,8 @@ def resume(accelerator, candidates: list[Path], load, setting: str, out_dir) -> 
     and return its absolute path (None: a fresh start). A damaged one is renamed .damaged,
     kept for a person to look at, and the one before it is tried; a file unsafe to read
     stops the run, and so does a damaged checkpoint the user named (`setting`, --resume).
+    A branched run that continues its own checkpoint rather than the one --resume names
+    says so on the line that says where it resumed.
     Every rank must take the same decision, and a damaged shard or RNG file may show on one
     rank only, so each rank's verdict is summed over the ranks first."""
     for path in candidates:
@@ -174,12 +239,16 @@ def resume(accelerator, candidates: list[Path], load, setting: str, out_dir) -> 
         if n_unsafe:
             raise error if unsafe else UnsafeCheckpointError(
                 f"{path}: another rank refused a file of it as unsafe (see its error)")
+        named = setting != "auto" and Path(path).resolve() == Path(setting).resolve()
         if not n_damaged:
             step = read_train_state(path)["step"]
-            accelerator.print(f"resumed from {path} at step {step:,}")
+            began = "" if setting == "auto" or named else \
+                f" (its own; --resume={setting} is where this run began: to begin there " \
+                f"again, use a new --out_dir)"
+            accelerator.print(f"resumed from {path} at step {step:,}{began}")
             return str(Path(path).resolve())
         reason = error or f"{path}: a file another rank reads is damaged"
-        if setting != "auto":
+        if named:
             raise ValueError(f"resume={setting} cannot be read: {reason}")
         accelerator.wait_for_everyone()  # every rank is done reading it
         if accelerator.is_main_process:
@@ -307,10 +376,7 @@ def read_tensors(path: Path):
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as e:
         if "Weights only load failed" in str(e):  # torch's words for "not plain data"
-            raise UnsafeCheckpointError(
-                f"{path}: holds more than tensors and plain values, which a checkpoint never "
-                f"does; refusing to read it (unpickling it could run code). Delete this "
-                f"checkpoint folder or replace it with one this trainer wrote") from None
+            raise unsafe_error(str(path), weights_only_refusal(e)) from None
         raise
 
 
@@ -403,7 +469,7 @@ class StopFlag:
     def _handle(self, signum, frame):
         # os.write, not print: the handler may run while the main thread is inside a write
         # to sys.stderr (the progress bar's), and a buffered stream refuses reentrant calls.
-        if not self.requested and os.environ.get("RANK", "0") == "0":
+        if not self.requested and is_rank0():
             os.write(2, self.ACKNOWLEDGEMENT)
         self.requested = True
         signal.signal(signal.SIGINT, signal.default_int_handler)

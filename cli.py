@@ -24,7 +24,7 @@ def user_errors(debug: bool, errors: tuple = (ValueError, OSError),
     exit status 0; a Ctrl-C that reaches the command (KeyboardInterrupt) is the line
     `interrupted` and exit status 130, the shell's code for SIGINT. Under a launcher only
     rank 0 prints."""
-    rank0 = os.environ.get("RANK", "0") == "0"
+    rank0 = is_rank0()
     try:
         yield
     except NothingToDo as e:
@@ -42,3 +42,9 @@ def user_errors(debug: bool, errors: tuple = (ValueError, OSError),
         if rank0:
             print(interrupted, file=sys.stderr)
         sys.exit(130)
+
+
+def is_rank0() -> bool:
+    """The first process of a launch (or the only one): the one that speaks for all, before
+    any Accelerator exists to ask."""
+    return os.environ.get("RANK", "0") == "0"

@@ -574,7 +574,8 @@ def check_stages(saved: list, stages: list, step: int) -> list[str]:
 
 # `accelerate launch` hands its yaml to the workers as environment variables
 # (accelerate/utils/launch.py): ACCELERATE_MIXED_PRECISION, and under distributed_type FSDP
-# one FSDP_* variable per fsdp_config key, an absent key as accelerate's default. train.py
+# one FSDP_* variable per fsdp_config key, an absent key as accelerate's default, and
+# ACCELERATE_USE_FSDP=true, which is what makes train.py shard (`fsdp_launch`). train.py
 # shards the model itself (train.shard_model), so of those it honours fsdp_version: 2 and
 # fsdp_reshard_after_forward. Any other key set to something but its default would do
 # nothing, or fight train.py's own sharding: it is refused. Variable: (the default, why).
@@ -600,6 +601,12 @@ REFUSED_FSDP_KEYS = {
 }
 
 
+def fsdp_launch(environ) -> bool:
+    """Whether the launch config asks for FSDP (accelerate launch exports its yaml's
+    distributed_type FSDP as ACCELERATE_USE_FSDP): train.py then shards the model itself."""
+    return environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
 def reshard_after_forward(environ) -> bool:
     """The launch config's fsdp_reshard_after_forward (true when absent), for shard_model."""
     return environ.get("FSDP_RESHARD_AFTER_FORWARD", "true") == "true"
@@ -615,8 +622,9 @@ def check_launch(environ, precision: str) -> list[str]:
                          f"itself: remove dynamo_config and use --compile_model")
     if environ.get("ACCELERATE_USE_FSDP") == "true":
         if environ.get("FSDP_VERSION") != "2":
-            raise ValueError(f"launch config: fsdp_version={environ.get('FSDP_VERSION')} would "
-                             f"wrap train.py's FSDP2 model in FSDP1; set fsdp_version: 2")
+            raise ValueError(f"launch config: fsdp_version={environ.get('FSDP_VERSION')} asks "
+                             f"for FSDP1, and train.py shards with FSDP2 only; set "
+                             f"fsdp_version: 2")
         if environ.get("FSDP_RESHARD_AFTER_FORWARD", "true") not in ("true", "false"):
             raise ValueError(f"launch config: fsdp_reshard_after_forward="
                              f"{environ['FSDP_RESHARD_AFTER_FORWARD']} must be true or false "

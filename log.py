@@ -103,14 +103,13 @@ def memory_estimate(cfg, n_params: int, n_muon: int, world: int, sharded: bool,
     return budget
 
 
-def check_memory(cfg, accelerator, force: bool) -> list[str]:
+def check_memory(cfg, accelerator, sharded: bool, force: bool) -> list[str]:
     """Before any work: the memory estimate of this plan, from the parameters the config
     counts (nothing is built yet), against what one rank has. Past a CPU's RAM (shared by the
     ranks on the machine) the run is refused, naming a micro-batch that fits, unless `force`;
     past a GPU's memory it gets a warning line (the estimate is a rough one, and the largest
     term, the activations, may be what the run needs or not)."""
     world, device = accelerator.num_processes, accelerator.device
-    sharded = accelerator.distributed_type.value == "FSDP"
     bf16 = accelerator.mixed_precision == "bf16"
     capacity, where = memory_capacity(device)
 
@@ -163,18 +162,19 @@ class Hardware:
     """Where a run trains, as the banner prints it and metrics.jsonl records it."""
     world: int  # ranks
     device: str  # e.g. "cuda:0" or "cpu"
-    distributed: str  # accelerate's DistributedType value: NO, MULTI_GPU, FSDP, MULTI_CPU
+    distributed: str  # accelerate's DistributedType value (NO, MULTI_GPU, MULTI_CPU) or FSDP2
     precision: str  # "bf16" or "no"
     compiled: bool
     device_name: str = ""  # e.g. "NVIDIA H200", or the CPU's model and core count
     torch: str = torch.__version__
 
 
-def hardware(accelerator, compiled: bool) -> Hardware:
-    """The Hardware an accelerate.Accelerator runs on."""
-    return Hardware(accelerator.num_processes, str(accelerator.device),
-                    accelerator.distributed_type.value, accelerator.mixed_precision, compiled,
-                    device_name(accelerator.device))
+def hardware(accelerator, compiled: bool, sharded: bool) -> Hardware:
+    """The Hardware an accelerate.Accelerator runs on; FSDP2 where train.py sharded the model
+    (accelerate's own distributed type says MULTI_CPU there on a CPU)."""
+    distributed = "FSDP2" if sharded else accelerator.distributed_type.value
+    return Hardware(accelerator.num_processes, str(accelerator.device), distributed,
+                    accelerator.mixed_precision, compiled, device_name(accelerator.device))
 
 
 def device_name(device: torch.device) -> str:
@@ -237,7 +237,7 @@ def banner(cfg, start: Start, model, optimizers, schedule: str, flops: dict[str,
     muon = optimizers.named.get("muon")
     n_muon = sum(p.numel() for g in muon.param_groups for p in g["params"]) if muon else 0
     budget = memory_estimate(cfg, n_params, n_muon, hardware.world,
-                             hardware.distributed == "FSDP", hardware.precision == "bf16")
+                             hardware.distributed == "FSDP2", hardware.precision == "bf16")
     unevaluated = [row["source"] for row in start.plan if row["source"] not in start.evaluated]
     lines = [
         f"model: {n_params / 1e6:.2f}M parameters ({optimizers.summary()})",
@@ -539,9 +539,9 @@ def last_byte(path: Path) -> bytes:
 
 
 def train_line(record: dict, lrs: dict[str, float], has_peak: bool) -> str:
-    """E.g. `step 100 | loss 4.0663 (ce 4.0574 z 8.93e-03) | gnorm 0.909 | lr muon 6.00e-03
-    adamw 3.00e-03 | 2,179 tok/s | 0.06 TFLOP/s | MFU n/a | mem 1.42 GiB | …` (the tiny run's
-    step 100, README's "What a run looks like")."""
+    """The step line README's "What a run looks like" shows: the step, the loss with its ce
+    and z parts, the gradient norm, each optimizer's lr, tokens/s, TFLOP/s, MFU, memory, and
+    the time elapsed and left."""
     mfu = f"{record['mfu']:.1%} ({record['mfu_palm']:.1%} palm)" if has_peak else "n/a"
     rates = " ".join(f"{name} {lr:.2e}" for name, lr in lrs.items())
     return (f"step {record['step']:>6,} | loss {record['loss']:.4f} (ce {record['ce']:.4f} "

@@ -20,6 +20,7 @@ Imports from stacklm: config (the model's shape) and data (the EOS token a sampl
 with).
 """
 
+import contextlib
 import functools
 import math
 from typing import NamedTuple
@@ -27,6 +28,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
@@ -461,8 +463,7 @@ class Transformer(nn.Module):
         Otherwise the chunked head computes the same number without ever holding them (a
         Stack-100M micro-batch's logits alone would take 8 GiB). reduction="none" (scoring,
         no gradient) gives each target's (N,) numbers, ce_chunk_size rows of logits at a
-        time. Scoring calls this forward, not `logits`: under FSDP2 only a module's forward
-        gathers the root's sharded embedding."""
+        time: scoring calls this forward, not `logits`, which would hold all (B, T, V)."""
         x = self.hidden_states(input_ids, position_ids, seq_ids).flatten(0, 1)  # (N, C)
         targets = targets.flatten()  # (N,)
         if reduction == "none":
@@ -482,9 +483,10 @@ class Transformer(nn.Module):
 
     def logits(self, input_ids, position_ids=None, seq_ids=None, last_only=False):
         """fp32 logits (B, T, V), or (B, 1, V) of the last position with last_only."""
-        x = self.hidden_states(input_ids, position_ids, seq_ids)  # (B, T, C)
-        x = x[:, -1:] if last_only else x  # (B, 1 or T, C)
-        return F.linear(x, self.embed.weight).float()  # (B, 1 or T, V)
+        with root_gathered(self):
+            x = self.hidden_states(input_ids, position_ids, seq_ids)  # (B, T, C)
+            x = x[:, -1:] if last_only else x  # (B, 1 or T, C)
+            return F.linear(x, self.embed.weight).float()  # (B, 1 or T, V)
 
     def hidden_states(self, input_ids, position_ids, seq_ids):
         """The final-norm hidden states (B, T, C) that the head turns into logits."""
@@ -515,13 +517,14 @@ class Transformer(nn.Module):
                              f"{max_new_tokens} exceeds max_seq_len={self.cfg.max_seq_len}; "
                              f"shorten one of them")
         caches = [KVCache() for _ in self.blocks]
-        logits = self.forward_cached(input_ids, 0, caches)
-        tokens = input_ids
-        for step in range(max_new_tokens):
-            next_token = sample_next_token(logits[:, -1], temperature, top_k)  # (B, 1)
-            tokens = torch.cat([tokens, next_token], dim=1)
-            if step + 1 < max_new_tokens:
-                logits = self.forward_cached(next_token, tokens.shape[1] - 1, caches)
+        with root_gathered(self):
+            logits = self.forward_cached(input_ids, 0, caches)
+            tokens = input_ids
+            for step in range(max_new_tokens):
+                next_token = sample_next_token(logits[:, -1], temperature, top_k)  # (B, 1)
+                tokens = torch.cat([tokens, next_token], dim=1)
+                if step + 1 < max_new_tokens:
+                    logits = self.forward_cached(next_token, tokens.shape[1] - 1, caches)
         return tokens
 
     def forward_cached(self, input_ids, start: int, caches: list[KVCache]):
@@ -536,6 +539,22 @@ class Transformer(nn.Module):
         for block, cache in zip(self.blocks, caches, strict=True):
             x = block(x, cos, sin, mask, cache)
         return F.linear(self.norm(x), self.embed.weight).float()  # (B, T, V)
+
+
+@contextlib.contextmanager
+def root_gathered(model: Transformer):
+    """`generate` and `logits` use the root's own parameters (the tied embedding, the final
+    norm) outside `forward`. Under FSDP2 (`fully_shard`) only a module's forward gathers its
+    parameters, so these would meet a DTensor shard: gather the root's group for the
+    duration (each block still gathers its own in its forward). Unsharded: nothing to do."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
 
 
 # Sampling defaults of sample.py and of the end-of-run sample, so that both read alike.

@@ -14,11 +14,15 @@ autocast and the accumulation's gradient sync; train.py shards for FSDP2 itself
 (`shard_model`). The plumbing lives in checkpoint.py and log.py.
 
 Loss normalisation. The loss is the mean over every target token of the global batch, all
-micro-batches on all ranks, as if it were one big batch. Micro-batches can hold different
-numbers of targets (ignore_index = -100: padding, prompt tokens), so a mean of
-per-micro-batch means would weight a token by the size of its micro-batch. So each
-micro-batch returns the *sum* of its token losses, and the target tokens of the whole
-global batch are counted before any backward pass.
+micro-batches on all ranks, as if it were one big batch: each micro-batch returns the *sum*
+of its token losses, and the target tokens of the whole global batch are counted before any
+backward pass. Training batches are packed full windows (data.pack), so every micro-batch
+holds as many targets as the next and a mean of per-micro-batch means would come out the
+same; the sum is what stays right where the counts differ, since a mean of means weights
+each token by 1 / (the targets of its micro-batch). They differ in the val split's last,
+padded rows (`val_loss`) and in the downstream tasks' rows (only a choice's tokens are
+targets), which sum and count the same way; tests/test_fsdp.py masks targets on purpose to
+check the loop on such batches.
 
 Imports from stacklm: checkpoint, cli, config, data, downstream, log, model, optim and
 prepare: it composes them.
@@ -34,8 +38,9 @@ from typing import NamedTuple
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import set_seed
 from tokenizers import Tokenizer
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import checkpoint
@@ -45,7 +50,7 @@ import downstream
 import log
 import optim
 import prepare
-from cli import user_errors
+from cli import is_rank0, user_errors
 from config import TrainConfig
 from model import Transformer, complete, flops_per_token
 
@@ -100,7 +105,8 @@ class Run:
 def main(cfg: TrainConfig, force: bool = False) -> dict:
     """Train as `cfg` says; return the last logged metrics and the final evaluation."""
     # From here to the end, SIGTERM (a preemption) or Ctrl-C finishes the step in flight,
-    # saves and exits 0 (a second Ctrl-C quits now); one during setup stops after step 1.
+    # saves and exits 0 (a second Ctrl-C quits now); one during setup stops after the first
+    # step (step 1, or S + 1 on a resume from step S).
     with checkpoint.StopFlag() as stop:
         run = setup(cfg, force)  # force (--force): start even past a CPU's RAM
         # The log: the terminal, metrics.jsonl (which the run report is drawn from) and wandb.
@@ -178,8 +184,12 @@ def setup(cfg: TrainConfig, force: bool = False) -> Run:
     candidates = checkpoint.resume_candidates(cfg.out_dir, cfg.resume)  # refuses overwrites
     checkpoint.check_unfinished(candidates, cfg.stop_at_step, cfg.resume)  # nothing to train
     launch_warnings = config.check_launch(os.environ, precision(cfg))  # refuses dead keys
+    # FSDP2 when the launch config asks for it, on any device: train.py shards the model
+    # itself, so a CPU run under gloo takes the very path a GPU run does (accelerate would
+    # choose FSDP on GPUs only, and wrap the model in DDP on CPUs).
+    sharded = config.fsdp_launch(os.environ)
     accelerator = make_accelerator(cfg)
-    launch_warnings += log.check_memory(cfg, accelerator, force)  # refuses past a CPU's RAM
+    launch_warnings += log.check_memory(cfg, accelerator, sharded, force)  # past a CPU's RAM
     stages = [data.Stage(*stage) for stage in cfg.stages(config.wsd_phases(cfg).decay_start)]
     sources = list(dict.fromkeys(d for stage in stages for d, _ in stage.sources))
     with accelerator.main_process_first():  # rank 0 prepares the built-in corpus if missing
@@ -200,19 +210,18 @@ def setup(cfg: TrainConfig, force: bool = False) -> Run:
                        for d in evaluated}
     compiled = use_compile(cfg)
     model = build_model(cfg, compiled)
-    if accelerator.distributed_type == DistributedType.FSDP:
-        # Sharded before the optimizers are built, so they hold the sharded parameters
-        # (accelerate.prepare keeps a model that is already an FSDP module as it is).
+    if sharded:  # before the optimizers are built, so they hold the sharded parameters
         model = shard_model(model, accelerator.device, accelerator.mixed_precision == "bf16",
                             config.reshard_after_forward(os.environ))
     optimizers = optim.build_optimizers(model, cfg)
-    start = log.Start(log.hardware(accelerator, compiled), log.code_revision(), plan, evaluated,
-                      val_windows, downstream.describe(tasks))
+    start = log.Start(log.hardware(accelerator, compiled, sharded), log.code_revision(), plan,
+                      evaluated, val_windows, downstream.describe(tasks))
     accelerator.print(log.banner(cfg, start, model, optimizers, optim.schedule_summary(cfg),
                                  model_flops(cfg)))
     accelerator.print("\n".join(warnings), end="\n" if warnings else "")
-    model, *prepared = accelerator.prepare(model, *optimizers.named.values())
-    optimizers = optim.Optimizers(dict(zip(optimizers.named, prepared, strict=True)))
+    if not sharded:  # DDP (several ranks) and bf16 autocast; a sharded model needs neither
+        model, *prepared = accelerator.prepare(model, *optimizers.named.values())
+        optimizers = optim.Optimizers(dict(zip(optimizers.named, prepared, strict=True)))
     run = Run(cfg, accelerator, model, optimizers, loader, stages, manifests, start, tasks)
     start.resumed_from = checkpoint.resume(accelerator, candidates, run.load_checkpoint,
                                            cfg.resume, cfg.out_dir)
@@ -245,9 +254,10 @@ def train_step(run: Run, stop: checkpoint.StopFlag) -> StepResult:
     # gradient is d(sum of token losses) / n_tokens.
     scale = accum * world / n_tokens.float()
     sums = torch.zeros(3, device=accelerator.device)  # loss, ce, z summed over tokens
-    for batch in batches:
+    for i, batch in enumerate(batches):
         batch = to_device(batch, accelerator.device)
         with accelerator.accumulate(model):
+            sync_gradients_if(model, last=i == accum - 1)
             loss, ce, z = model(**batch, reduction="sum")
             accelerator.backward(loss * scale)
         sums += torch.stack([loss.detach().float(), ce.float(), z.float()])
@@ -267,6 +277,14 @@ def train_step(run: Run, stop: checkpoint.StopFlag) -> StepResult:
     stop_votes = accelerator.reduce(stop.tensor(accelerator.device), "sum")
     return StepResult(loss, ce, z, grad_norm, skipped, stop_votes.item() > 0,
                       time.perf_counter() - t0)
+
+
+def sync_gradients_if(model, last: bool):
+    """An FSDP2 model reduce-scatters its gradients on the last micro-batch of a step only,
+    as DDP all-reduces them (accelerate.accumulate skips the others' sync for DDP, and for
+    FSDP2 only where it chose FSDP itself: on GPUs; train.py shards on any device)."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(last)
 
 
 def evaluate(run: Run, token_bytes: torch.Tensor) -> dict:
@@ -439,7 +457,7 @@ def cli(argv=None):
     default = "stack100m" if torch.cuda.is_available() else "tiny"
     with user_errors("--debug" in argv, USER_ERRORS, checkpoint.StopFlag.QUIT):
         cfg, args = config.parse_args(argv, default_preset=default)
-        if args.preset is None and default == "tiny":
+        if args.preset is None and default == "tiny" and is_rank0():
             print("no CUDA GPU found: running the `tiny` preset on the CPU "
                   "(pass --preset stack100m to insist)")
         main(cfg, args.force)

@@ -5,7 +5,8 @@
 #      activation checkpointing, for STEPS steps: tokens/s, MFU in both conventions, peak
 #      memory beside the start-up estimate;
 #   3. the FSDP2 path (accelerate_configs/fsdp2.yaml) with one process for a few steps,
-#      then the same command again, which resumes from the checkpoint the first one saved.
+#      then the same command again, which resumes from the checkpoint the first one saved:
+#      train.py's own sharding, the path tests/test_fsdp.py runs on CPU processes.
 # It ends with one JSON line of figures.   Usage: bash bench/gpu_check.sh [--quick] [OUT_DIR]
 # --quick (about 3 minutes) skips 2., which bench/gpu_sweep.py's `default` row measures,
 # and runs 3. for 2 + 2 steps: `bash bench/gpu_check.sh --quick; python

@@ -23,7 +23,8 @@ ACTION
                       (the gradient is off by a constant factor; the logged loss is not).
   save                trains STEPS steps, writes a sharded checkpoint to OUT/ckpt with
                       checkpoint.py's own writer, and rank 0 writes the full weights and
-                      optimizer state to OUT/reference.pt.
+                      optimizer state to OUT/reference.pt, and the sharded model's
+                      `logits` and greedy `generate` of a prompt to OUT/outputs.pt.
   load                builds a fresh sharded model on this number of ranks, loads OUT/ckpt, and
                       rank 0 writes whether the full weights and optimizer state equal
                       OUT/reference.pt to OUT/load_<N>.json.
@@ -103,8 +104,8 @@ def make_run(cfg, data_dir: str) -> train.Run:
     stages = [data.Stage(0, ((data_dir, 1.0),))]
     loader = MaskedLoader(stages, cfg.seq_len, cfg.micro_batch_size, accelerator.process_index,
                           accelerator.num_processes, seed=cfg.seed)
-    start = log.Start(log.hardware(accelerator, False), "test", [], {data_dir: 1.0},
-                      {data_dir: 1})
+    start = log.Start(log.hardware(accelerator, False, sharded=True), "test", [],
+                      {data_dir: 1.0}, {data_dir: 1})
     return train.Run(cfg, accelerator, model, optimizers, loader, stages,
                      {data_dir: data.load_manifest(data_dir)}, start, tasks=[])
 
@@ -183,8 +184,13 @@ def main():
         train_steps(run)
         checkpoint.write_weights_and_optimizers(run.model, optimizers, out / "ckpt")
         state = full_state(run.model, optimizers)
+        # The paths that use the root's parameters outside its forward, on every rank.
+        prompt = torch.arange(1, 9)[None]  # (1, 8)
+        outputs = {"logits": run.model.logits(prompt),
+                   "generated": run.model.generate(prompt, 4, temperature=0)}
         if rank == 0:
             torch.save(state, out / "reference.pt")
+            torch.save(outputs, out / "outputs.pt")
     else:
         checkpoint.read_weights_and_optimizers(run.model, optimizers, out / "ckpt")
         state = full_state(run.model, optimizers)

@@ -18,7 +18,7 @@ from accelerate.utils.launch import prepare_multi_gpu_env
 import checkpoint
 import config
 import train
-from conftest import micro_config
+from conftest import LOSS_RTOL, WEIGHT_TOL, micro_config
 from test_train import (REPO, assert_weights, checkpoint_weights, cli_args, free_port,
                         launch_command, train_records)
 
@@ -141,14 +141,21 @@ def outcome(path: Path) -> tuple[str, int]:
 # --- slurm_fsdp2.sh --------------------------------------------------------------------
 
 @pytest.mark.distributed
-def test_slurm_script_on_two_nodes_saves_on_sigterm_requeues_and_resumes_exactly(
+def test_slurm_script_on_two_nodes_saves_on_sigterm_requeues_and_continues_its_branch(
         small_data_dir, tmp_path, straight):
     """The script itself, 2 nodes × 1 rank, through accelerate launch with --num_machines 2
-    and the multi-node config's c10d rendezvous. SIGTERM goes to every process of the job
-    step (the node shells, both launchers, both ranks), as SLURM's --signal sends it: the
-    step in flight is saved, the script exits 0 and requeues the job, no process is left.
-    The requeued job, the same command, resumes and ends exactly as a run never stopped."""
-    cfg = preemptible(small_data_dir, str(tmp_path / "run"))
+    and the multi-node config's c10d rendezvous: FSDP2, sharded over gloo. The job is an
+    anneal branched from a stable run's step-2 checkpoint (--resume=PATH). SIGTERM goes to
+    every process of the job step (the node shells, both launchers, both ranks), as SLURM's
+    --signal sends it: the step in flight is saved, the script exits 0 and requeues the job,
+    no process is left. The requeued job, the same command, continues the branch from its
+    own checkpoint (not the branch point again) and ends within README's FSDP2 tolerance of
+    one process never stopped."""
+    stable = dataclasses.replace(preemptible(small_data_dir, str(tmp_path / "stable")),
+                                 stop_at_step=2)
+    train.main(stable)
+    cfg = dataclasses.replace(preemptible(small_data_dir, str(tmp_path / "run")),
+                              resume=str(checkpoint.step_path(stable.out_dir, 2)))
     env = slurm_env(tmp_path, nodes=2)
     command = ["bash", "accelerate_configs/slurm_fsdp2.sh", *cli_args(cfg)]
     job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -172,10 +179,14 @@ def test_slurm_script_on_two_nodes_saves_on_sigterm_requeues_and_resumes_exactly
     rerun = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                            timeout=300)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
-    assert f"resumed from {checkpoint.step_path(cfg.out_dir, stopped_at)}" in rerun.stdout
+    assert f"resumed from {checkpoint.step_path(cfg.out_dir, stopped_at)} at step " \
+           f"{stopped_at} (its own; --resume={cfg.resume} is where this run began" in rerun.stdout
     assert outcome(tmp_path / f"stacklm-{JOB_ID}.node0") == ("finished", 120)
     assert (tmp_path / "stubs.log").read_text().count("requeue") == 1  # finished: no requeue
-    assert_resumed_exactly(cfg, straight, stopped_at)
+    assert not list((Path(cfg.out_dir) / "ckpt").glob("*.replaced"))
+    assert_weights(checkpoint_weights(cfg, 120), straight["weights"], atol=WEIGHT_TOL)
+    after = {r["step"]: r["loss"] for r in train_records(cfg) if r["step"] > stopped_at}
+    assert after == pytest.approx({s: straight["losses"][s] for s in after}, rel=LOSS_RTOL)
 
 
 # accelerate on one "node", for the tests of the script's own logic: it keeps its arguments

@@ -222,9 +222,8 @@ def test_total_steps_below_the_presets_stop_names_stop_at_step():
 # --- a plan that cannot fit ---------------------------------------------------------------
 
 def fake_accelerator(device: str):
-    """What log.check_memory reads of an Accelerator: one process, no sharding, fp32."""
+    """What log.check_memory reads of an Accelerator: one process, fp32."""
     return types.SimpleNamespace(num_processes=1, device=torch.device(device),
-                                 distributed_type=types.SimpleNamespace(value="NO"),
                                  mixed_precision="no")
 
 
@@ -257,9 +256,9 @@ def test_the_micro_batch_the_refusal_names_fits(small_data_dir, tmp_path, monkey
     assert need(2) < 0.9 * ram < ram < need(4)
     monkeypatch.setattr(log, "memory_capacity", lambda device: (ram, "this test's RAM"))
     with pytest.raises(ValueError, match=r"use --micro_batch_size=2 \(estimate"):
-        log.check_memory(cfg, fake_accelerator("cpu"), force=False)
+        log.check_memory(cfg, fake_accelerator("cpu"), sharded=False, force=False)
     smaller = dataclasses.replace(cfg, micro_batch_size=2)
-    assert log.check_memory(smaller, fake_accelerator("cpu"), force=False) == []
+    assert log.check_memory(smaller, fake_accelerator("cpu"), sharded=False, force=False) == []
 
 
 def test_on_a_gpu_a_plan_past_its_memory_is_a_warning(tmp_path, monkeypatch):
@@ -268,11 +267,11 @@ def test_on_a_gpu_a_plan_past_its_memory_is_a_warning(tmp_path, monkeypatch):
     cfg = micro_config(str(tmp_path), str(tmp_path))
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: types.SimpleNamespace(total_memory=2**20, name="H0"))
-    [warning] = log.check_memory(cfg, fake_accelerator("cuda"), force=False)
+    [warning] = log.check_memory(cfg, fake_accelerator("cuda"), sharded=False, force=False)
     assert warning.startswith("warning: the memory estimate") and "GPU's 0.0 GiB (H0)" in warning
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: types.SimpleNamespace(total_memory=2**40, name="H0"))
-    assert log.check_memory(cfg, fake_accelerator("cuda"), force=False) == []
+    assert log.check_memory(cfg, fake_accelerator("cuda"), sharded=False, force=False) == []
 
 
 # --- a finished run, and a stop ------------------------------------------------------------

@@ -37,6 +37,19 @@ def test_each_file_imports_what_its_docstring_says(module):
     assert declared_imports(ast.get_docstring(tree)) == actual_imports(tree)
 
 
+# README's Reading order: the plumbing imports config, cli and data at most, plus one named
+# thing each for log, downstream and prepare.
+PLUMBING = ("checkpoint", "log", "report", "prepare", "downstream", "cli")
+PLUMBING_IMPORTS = {"config", "cli", "data"}
+PLUMBING_EXTRAS = {"log": {"model"}, "downstream": {"prepare"}, "prepare": {"checkpoint"}}
+
+
+@pytest.mark.parametrize("module", PLUMBING)
+def test_the_plumbing_imports_no_more_than_readme_says(module):
+    tree = ast.parse((REPO / f"{module}.py").read_text())
+    assert actual_imports(tree) <= PLUMBING_IMPORTS | PLUMBING_EXTRAS.get(module, set())
+
+
 def test_the_docstring_parser_reads_the_forms_in_use():
     """The forms the files use, and a wrong line, through the parser above."""
     assert declared_imports("x\n\nImports from stacklm: nothing. It takes a model.") == set()

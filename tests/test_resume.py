@@ -7,17 +7,24 @@ import json
 import os
 import pickle
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
 import checkpoint
 import cli
 import export
+import optim
 import train
 from conftest import micro_config
+from model import Transformer
+from test_train import cli_args
 
 
 def records(cfg) -> list[dict]:
@@ -44,12 +51,120 @@ def test_hostile_dcp_metadata_runs_no_code_on_resume_or_export(small_data_dir, t
     train.main(cfg)
     marker = tmp_path / "pwned"
     (ckpt(cfg, 4) / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
-    with pytest.raises(checkpoint.UnsafeCheckpointError, match=r"refers to pathlib.Path.touch|"
-                       r"refers to pathlib"):
+    with pytest.raises(checkpoint.UnsafeCheckpointError,
+                       match=r"holds a reference to pathlib\.Path\.touch"):
         export.export(cfg.out_dir)
     with pytest.raises(checkpoint.UnsafeCheckpointError, match="could run code"):
         train.main(dataclasses.replace(cfg, stop_at_step=8))
     assert not marker.exists()
+
+
+class MakesDir:
+    """Unpickling this creates the directory `marker` (os.mkdir, as the issue's payload did)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.marker),))
+
+
+@pytest.fixture(scope="module")
+def trained(small_data_dir, tmp_path_factory):
+    """A 4-step run whose step-4 checkpoint the poisoning tests copy."""
+    cfg = micro_config(small_data_dir, str(tmp_path_factory.mktemp("trained")), stop_at_step=4)
+    train.main(cfg)
+    return cfg
+
+
+def poison(cfg, path: Path, kind: str, payload) -> str:
+    """Re-save checkpoint `path` with `payload` in place of its first entry whose value is of
+    type `kind` (the non-tensor values of the optimizers' param groups: str, float, int,
+    bool, None, tuple, list), or of a weight ("tensor": a model entry becomes a pickled
+    object); return the entry's name. The checkpoint is read back with DCP's own planner:
+    it is this test's, trusted."""
+    model = Transformer(cfg.model)
+    optimizers = list(optim.build_optimizers(model, cfg).named.values())
+    model_sd, optim_sd = get_state_dict(model, optimizers)
+    sd = {"model": model_sd, "optim": optim_sd}
+    dcp.load(sd, checkpoint_id=str(path))
+    if kind == "tensor":
+        where, key = sd["model"], "norm.weight"
+    else:
+        where = next(g for g in sd["optim"]["param_groups"]
+                     if any(type(v).__name__ == kind for v in g.values()))
+        key = next(k for k, v in where.items() if type(v).__name__ == kind)
+    where[key] = payload
+    dcp.save(sd, checkpoint_id=str(path))
+    if kind == "tensor":
+        return f"model.{key}"
+    return f"optim.param_groups.{sd['optim']['param_groups'].index(where)}.{key}"
+
+
+@pytest.mark.parametrize("kind", ["str", "float", "int", "bool", "NoneType", "tuple", "list",
+                                  "tensor"])
+def test_a_payload_in_any_checkpoint_entry_is_refused_and_runs_nothing(trained, tmp_path,
+                                                                       capsys, kind):
+    """DCP's default planner unpickles every entry that is not a tensor with full pickle. A
+    checkpoint re-saved with a payload (its __reduce__ creates a file) in one entry of each
+    kind it holds (a directory created by os.mkdir): the resume command refuses it in one line naming the checkpoint and the
+    entry, exit 2, and nothing ran. export.py reads only the weights: a payload among them
+    is refused the same way; one in the optimizers' entries is never unpickled at all."""
+    out_dir = tmp_path / "run"
+    shutil.copytree(trained.out_dir, out_dir)
+    cfg = dataclasses.replace(trained, out_dir=str(out_dir), stop_at_step=8)
+    marker = tmp_path / "pwned"
+    entry = poison(cfg, ckpt(cfg, 4), kind, MakesDir(marker))
+    with pytest.raises(SystemExit) as exit_:
+        train.cli(cli_args(cfg))
+    line = capsys.readouterr().err
+    assert exit_.value.code == 2 and not marker.exists()
+    assert line == (f"error: {ckpt(cfg, 4)}: entry {entry}: holds a reference to "
+                    f"posix.mkdir, which a checkpoint this trainer wrote never does; "
+                    f"refusing to read it (unpickling it could run code). Delete this "
+                    f"checkpoint folder or replace it with one this trainer wrote\n")
+    assert records(cfg)[-1]["step"] == 4  # nothing trained
+    if kind == "tensor":
+        with pytest.raises(SystemExit) as exit_:
+            export.main([cfg.out_dir])
+        assert exit_.value.code == 2 and f"entry {entry}: holds a reference" in \
+            capsys.readouterr().err
+    else:
+        export.main([cfg.out_dir])
+    assert not marker.exists()
+
+
+def test_a_branched_run_stopped_past_its_branch_point_continues_from_its_own_checkpoint(
+        small_data_dir, tmp_path, capsys, monkeypatch):
+    """README's anneal: a stable run to step 2, then an anneal into its own out_dir with
+    --resume=the stable checkpoint. A SIGTERM at step 5 saves step 5; the same command again
+    continues from the anneal's own step 5 and says so, not from the branch point, and logs
+    bitwise the losses of an anneal never stopped; nothing is set aside as .replaced."""
+    stable = micro_config(small_data_dir, str(tmp_path / "stable"), stop_at_step=2)
+    train.main(stable)
+    branch_point = ckpt(stable, 2)
+    anneal = dataclasses.replace(stable, out_dir=str(tmp_path / "anneal"),
+                                 resume=str(branch_point), stop_at_step=8)
+    straight = dataclasses.replace(anneal, out_dir=str(tmp_path / "straight"))
+    train.main(straight)
+    step = train.train_step
+
+    def stopped_at_5(run, stop):
+        if run.step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(run, stop)
+    monkeypatch.setattr(train, "train_step", stopped_at_5)
+    train.main(anneal)
+    monkeypatch.setattr(train, "train_step", step)
+    assert checkpoint.newest(anneal.out_dir) == str(ckpt(anneal, 5))
+    capsys.readouterr()
+    train.main(anneal)  # the same command
+    assert f"resumed from {ckpt(anneal, 5)} at step 5 (its own; --resume={branch_point} is " \
+           f"where this run began" in capsys.readouterr().out
+    losses = {r["step"]: r["loss"] for r in records(anneal) if r["kind"] == "train"}
+    assert losses == {r["step"]: r["loss"] for r in records(straight) if r["kind"] == "train"}
+    assert sorted(p.name for p in ckpt(anneal, 5).parent.iterdir()) == \
+        ["step_0000004", "step_0000005", "step_0000008"]
 
 
 def test_resume_applies_the_new_learning_rates_and_says_so(small_data_dir, tmp_path, capsys):
@@ -189,9 +304,9 @@ def test_a_hostile_rng_file_stops_the_run_as_unsafe(small_data_dir, tmp_path):
     cfg = micro_config(small_data_dir, str(tmp_path), ckpt_every=2, stop_at_step=4)
     train.main(cfg)
     marker = tmp_path / "pwned"
-    torch.save(RunsCode(marker), ckpt(cfg, 4) / "rng_rank0.pt")
+    torch.save(MakesDir(marker), ckpt(cfg, 4) / "rng_rank0.pt")
     with pytest.raises(checkpoint.UnsafeCheckpointError,
-                       match=f"^{ckpt(cfg, 4)}/rng_rank0.pt: holds more than tensors"):
+                       match=f"^{ckpt(cfg, 4)}/rng_rank0.pt: holds a reference to posix.mkdir"):
         train.main(dataclasses.replace(cfg, stop_at_step=6))
     assert not marker.exists()
     assert [p.name for p in checkpoint.complete_checkpoints(cfg.out_dir)] == \

@@ -76,13 +76,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_command(cfg, processes: int = 1) -> list[str]:
-    """train.py in fresh processes: plain python for one, accelerate launch (DDP over gloo)
-    for several."""
+def launch_command(cfg, processes: int = 1, config_file: str = "cpu_ddp.yaml") -> list[str]:
+    """train.py in fresh processes: plain python for one, accelerate launch with
+    accelerate_configs/`config_file` for several (DDP over gloo by default; fsdp2.yaml
+    shards with FSDP2 over gloo)."""
     if processes == 1:
         return [sys.executable, "train.py", *cli_args(cfg)]
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            "accelerate_configs/cpu_ddp.yaml", "--num_processes", str(processes),
+            f"accelerate_configs/{config_file}", "--num_processes", str(processes),
             "--main_process_port", str(free_port()), "train.py", *cli_args(cfg)]
 
 
