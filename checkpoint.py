@@ -1,5 +1,6 @@
-"""Checkpoints: save and resume a run exactly, on any number of ranks; read a checkpoint's
-weights back (for export.py).
+"""A checkpoint's files: write them atomically, read them back exactly on any number of
+ranks, without running code; and what a diverging run does to them (`give_up`). Which
+checkpoint a run continues is resume.py's.
 
     out_dir/ckpt/step_0001000/        one training checkpoint
         .metadata, __0_0.distcp, …    the model and both optimizers, a torch.distributed.checkpoint
@@ -19,26 +20,20 @@ checkpoint's entries that are not tensors (the optimizers' param-group values) w
 torch.load(weights_only=True) too, where DCP's default planner would unpickle them whole
 (WeightsOnlyLoadPlanner); `rng_rank<r>.pt` with weights_only=True; train_state.json as JSON.
 A file or entry any of these refuses stops the run, named (UnsafeCheckpointError).
-`resume` picks the checkpoint a run continues, setting damaged ones aside; `read_train_state`
-reads any format this trainer has written. `StopFlag` turns a preemption's SIGTERM into
-"finish the step, save, exit 0", and `record_outcome` tells a launch script that it did (a
-launcher cannot). export.py turns a checkpoint into files other programs load.
+`read_train_state` reads any format this trainer has written. export.py turns a checkpoint
+into files other programs load.
 
-Imports from stacklm: cli (NothingToDo, for a run that would train nothing; is_rank0, for
-the one acknowledgement of a stop). It takes a model, optimizers and plain values.
+Imports from stacklm: nothing. It takes a model, optimizers and plain values.
 """
 
 import contextlib
 import functools
 import json
 import operator
-import os
 import pickle
 import random
 import re
 import shutil
-import signal
-import threading
 import warnings
 from pathlib import Path
 
@@ -49,7 +44,6 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from cli import NothingToDo, is_rank0
 
 # DCP warns that it "assumes the intent is to save in a single process" when no process
 # group exists: that is exactly the single-process case.
@@ -170,95 +164,6 @@ def complete_checkpoints(out_dir) -> list[Path]:
 def newest(out_dir) -> str:
     """The newest complete checkpoint's path, for messages, or "none"."""
     return str(find(out_dir, "auto") or "none")
-
-
-def resume_candidates(out_dir, resume: str) -> list[Path]:
-    """The checkpoints to try, in order. `resume`:
-    - "auto": every complete checkpoint in out_dir, newest first (the caller falls back to
-      older ones if one is damaged);
-    - a path in out_dir's own ckpt folder: that checkpoint, as named (how to go back to one);
-    - a path elsewhere: where a branched run (an anneal from the stable run's checkpoint)
-      begins, while out_dir holds no checkpoint of its own; once it does, its own, as for
-      "auto", so that the same command continues the branch rather than begin it again
-      (torchtitan's checkpoint.initial_load_path);
-    - "none": a fresh start, refused where it would overwrite checkpoints."""
-    if Path(out_dir).exists() and not Path(out_dir).is_dir():
-        raise ValueError(f"out_dir={out_dir} is a file, not a directory; choose another --out_dir")
-    own = complete_checkpoints(out_dir)[::-1]
-    if resume == "none":
-        if own:
-            raise ValueError(f"resume=none: out_dir={out_dir} already holds checkpoints (newest "
-                             f"{newest(out_dir)}) that a fresh run would overwrite; continue "
-                             f"them with --resume=auto, or start afresh in a new --out_dir")
-        return []
-    if resume == "auto" or own and not is_inside(resume, ckpt_root(out_dir)):
-        return own
-    return [find(out_dir, resume)]
-
-
-def is_inside(path, folder: Path) -> bool:
-    return Path(path).resolve().is_relative_to(folder.resolve())
-
-
-def check_unfinished(candidates: list[Path], stop_at_step: int, resume: str):
-    """NothingToDo where the checkpoint a run would continue (the first of `candidates`) is
-    already at or past stop_at_step: the run would train nothing, and a resume there would
-    only evaluate again. Checked before anything is built, from its train_state.json."""
-    if not candidates:
-        return  # a fresh start
-    try:
-        step = read_train_state(candidates[0])["step"]
-    except DamagedCheckpointError:
-        return  # `resume` sets it aside and continues an older one
-    if step >= stop_at_step:
-        fix = "a later --stop_at_step to continue it" if resume != "auto" else \
-            "a new --out_dir to train afresh, or a later --stop_at_step to continue it"
-        raise NothingToDo(f"nothing to train: {candidates[0]} is at step {step:,}, and this "
-                          f"run stops at stop_at_step={stop_at_step:,}; pass {fix}")
-
-
-def resume(accelerator, candidates: list[Path], load, setting: str, out_dir) -> str | None:
-    """Continue from the first of `candidates` (resume_candidates) that `load(path)` reads,
-    and return its absolute path (None: a fresh start). A damaged one is renamed .damaged,
-    kept for a person to look at, and the one before it is tried; a file unsafe to read
-    stops the run, and so does a damaged checkpoint the user named (`setting`, --resume).
-    A branched run that continues its own checkpoint rather than the one --resume names
-    says so on the line that says where it resumed.
-    Every rank must take the same decision, and a damaged shard or RNG file may show on one
-    rank only, so each rank's verdict is summed over the ranks first."""
-    for path in candidates:
-        error = None
-        try:
-            load(path)
-        except (DamagedCheckpointError, UnsafeCheckpointError) as e:
-            error = e
-        unsafe = isinstance(error, UnsafeCheckpointError)
-        votes = torch.tensor([error is not None and not unsafe, unsafe], dtype=torch.float32,
-                             device=accelerator.device)
-        n_damaged, n_unsafe = accelerator.reduce(votes, "sum").tolist()
-        if n_unsafe:
-            raise error if unsafe else UnsafeCheckpointError(
-                f"{path}: another rank refused a file of it as unsafe (see its error)")
-        named = setting != "auto" and Path(path).resolve() == Path(setting).resolve()
-        if not n_damaged:
-            step = read_train_state(path)["step"]
-            began = "" if setting == "auto" or named else \
-                f" (its own; --resume={setting} is where this run began: to begin there " \
-                f"again, use a new --out_dir)"
-            accelerator.print(f"resumed from {path} at step {step:,}{began}")
-            return str(Path(path).resolve())
-        reason = error or f"{path}: a file another rank reads is damaged"
-        if named:
-            raise ValueError(f"resume={setting} cannot be read: {reason}")
-        accelerator.wait_for_everyone()  # every rank is done reading it
-        if accelerator.is_main_process:
-            kept = set_aside(path, "damaged")
-            print(f"warning: skipping damaged checkpoint {reason}; kept as {kept}")
-        accelerator.wait_for_everyone()
-    if candidates:
-        raise ValueError(f"no checkpoint in {ckpt_root(out_dir)} can be read (see the warnings "
-                         f"above; each is kept as .damaged); --resume=none starts afresh")
-    return None
 
 
 def set_aside(path: Path, reason: str) -> Path:
@@ -442,54 +347,21 @@ def read_model(ckpt: Path, model) -> dict:
     return sd["model"]
 
 
-class StopFlag:
-    """SIGTERM (a scheduler's preemption) or Ctrl-C asks the loop to finish its step, save
-    and exit 0, and says so at once; a second Ctrl-C interrupts at once (KeyboardInterrupt,
-    which cli.user_errors makes the line QUIT and exit status 130). The old handlers come
-    back on exit. (A launcher's workers start sessions of their own, so a Ctrl-C in the
-    terminal reaches only the launcher, which passes one signal on to each worker: rank 0
-    alone acknowledges it.)"""
-
-    ACKNOWLEDGEMENT = b"stopping after this step (Ctrl-C again to quit now)\n"
-    QUIT = "interrupted: the step in flight was not saved; run the same command to resume"
-
-    def __init__(self):
-        self.requested, self.previous = False, {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # signals need it
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                self.previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-
-    def _handle(self, signum, frame):
-        # os.write, not print: the handler may run while the main thread is inside a write
-        # to sys.stderr (the progress bar's), and a buffered stream refuses reentrant calls.
-        if not self.requested and is_rank0():
-            os.write(2, self.ACKNOWLEDGEMENT)
-        self.requested = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def tensor(self, device) -> torch.Tensor:
-        return torch.tensor([float(self.requested)], device=device)
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm stayed non-finite for max_bad_steps steps in a row."""
 
 
-# Under `accelerate launch`, torch's elastic agent turns a SIGTERM it receives (SLURM signals
-# every process of a job step, the launcher too) into a non-zero exit, even when every rank
-# saved and exited 0 (torch/distributed/launcher/api.py). So a script cannot tell a clean
-# stop from a crash by the exit status. Where this variable names a file, the first process
-# of each node writes "stopped STEP" (a signal stopped the run; resuming continues it) or
-# "finished STEP" there as it ends; slurm_fsdp2.sh reads it and requeues a stopped job.
-OUTCOME_FILE = "STACKLM_OUTCOME"
-
-
-def record_outcome(outcome: str, step: int, is_local_main: bool):
-    path = os.environ.get(OUTCOME_FILE)
-    if path and is_local_main:
-        tmp = Path(f"{path}.tmp")
-        tmp.write_text(f"{outcome} {step}\n")
-        tmp.rename(path)  # whole or absent, never half-written
+def give_up(cfg, step: int, streak: int, lrs: dict[str, float], is_main: bool):
+    """Stop a run whose loss stayed non-finite for the `streak` steps up to `step`. The
+    checkpoint of the step the streak began at, if there is one, holds the weights that gave
+    its first non-finite loss: set it aside (renamed .diverged), so a rerun resumes from the
+    one before, and name the learning rates to lower."""
+    suspect = step_path(cfg.out_dir, step - streak)
+    if suspect.exists() and is_main:
+        set_aside(suspect, "diverged")
+    rates = " ".join(f"{name} {lr:.2e}" for name, lr in lrs.items())
+    raise TrainingDiverged(
+        f"{streak} consecutive non-finite steps (the last at step {step}, lr {rates}): "
+        f"stopping; the newest checkpoint from before them is {newest(cfg.out_dir)}. "
+        f"Lower --muon_peak_lr={cfg.muon_peak_lr:g} and --adamw_peak_lr={cfg.adamw_peak_lr:g} "
+        f"(or --grad_clip={cfg.grad_clip:g}) and run again: it resumes from there")

@@ -182,7 +182,9 @@ class TrainConfig:
     ckpt_every: int = knob(1_000, "optimizer steps between checkpoints")
     keep_last_ckpts: int = knob(5, "newest checkpoints kept in out_dir/ckpt; older ones are "
                                    "deleted, except where a data stage or the decay begins")
-    resume: str = knob("auto", "auto | none | PATH: auto is the newest checkpoint in out_dir")
+    resume: str = knob("auto", "auto | none | PATH: auto is the newest checkpoint in out_dir; "
+                       "PATH elsewhere is where a branched run begins (it continues its own "
+                       "checkpoints once it has them)")
     max_epochs: float | None = knob(None, "refuse a run that would read the train split more "
                                            "than this many times (past 4, a plan is warned "
                                            "about either way)")
@@ -493,14 +495,6 @@ def check_epochs(cfg: TrainConfig, plan: list[dict]) -> list[str]:
     return warnings
 
 
-# What a resume may not change: the model's shape (the weights would not fit), the order the
-# data is read in (the loader's cursor counts windows of this seq_len and this seed's
-# shuffle), and which optimizer holds the matrices (its state is in the checkpoint). The
-# data itself may change only in stages not yet begun (check_stages). Every other knob
-# given on a resume's command line takes effect.
-FIXED_ON_RESUME = ("model.", "seq_len", "seed", "matrix_optimizer")
-
-
 def flat(config: dict) -> dict:
     """A config as dataclasses.asdict, a train_state.json or a start record holds it, with
     the model's knobs in it as `model.<knob>`."""
@@ -524,120 +518,6 @@ def nearest_preset(cfg: TrainConfig) -> tuple[str, list[tuple[str, object, objec
     diffs = {name: differences(cfg, dataclasses.asdict(make())) for name, make in PRESETS.items()}
     name = min(diffs, key=lambda name: len(diffs[name]))
     return name, diffs[name]
-
-
-def resume_changes(cfg: TrainConfig, saved: dict) -> list[tuple[str, object, object]]:
-    """(knob, checkpoint's value, this run's value) for each knob that differs from the
-    checkpoint's config `saved`; a ValueError naming every fixed knob that differs."""
-    changed = [(k, old, new) for k, old, new in differences(cfg, saved) if k != "resume"]
-    fixed = [f"{k} {old!r} → {new!r}" for k, old, new in changed if k.startswith(FIXED_ON_RESUME)]
-    if fixed:
-        raise ValueError(f"resume: {', '.join(fixed)} cannot change on a resume (the weights, "
-                         f"the data order and the optimizer state are the checkpoint's); "
-                         f"resume with the checkpoint's values or start a fresh --out_dir")
-    return changed
-
-
-def check_resume(cfg: TrainConfig, stages: list, state: dict) -> tuple[list[str], list]:
-    """A resume of checkpoint state `state` (its train_state.json) by a run of `cfg` reading
-    `stages`: the lines to print (stages added or edited, knobs changed) and the changed
-    knobs, (knob, checkpoint's value, this run's value). Refuses what cannot change."""
-    lines = check_stages(state["stages"], stages, state["step"])
-    changes = resume_changes(cfg, state["config"])
-    return lines + [f"resume: {name} {old} → {new}" for name, old, new in changes], changes
-
-
-def check_stages(saved: list, stages: list, step: int) -> list[str]:
-    """A resume at optimizer step `step` has begun every saved stage that starts before it:
-    those must be as they were (refused otherwise, naming the stage and each change). A
-    stage from `step` on has not been read yet: it may be added or edited; returns a line
-    for each such change, for the run to print."""
-    def text(stage):
-        return ",".join(f"{d}:{w:g}" for d, w in stage[1])
-    saved = {start: tuple(map(tuple, sources)) for start, sources in saved}
-    ours = {start: sources for start, sources in stages}
-    begun = [s for s in sorted(set(saved) | set(ours)) if s < step]
-    changed = [f"the stage from step {s:,}: {text((s, saved[s])) if s in saved else 'none'} → "
-               f"{text((s, ours[s])) if s in ours else 'none'}"
-               for s in begun if saved.get(s) != ours.get(s)]
-    if changed:
-        raise ValueError(f"resume at step {step:,}: {'; '.join(changed)}: a stage that has begun "
-                         f"cannot change (its windows are already trained on); change only "
-                         f"stages from step {step:,} on, or start a fresh --out_dir")
-    return [f"resume: data stage from step {s:,} {'changed' if s in saved else 'added'}: "
-            f"{text((s, ours[s]))}" for s in sorted(ours) if s >= step and saved.get(s) != ours[s]]
-
-
-# ---------------------------------------------------------------------------------------
-# The launch config: what accelerate's yaml asks of train.py
-# ---------------------------------------------------------------------------------------
-
-# `accelerate launch` hands its yaml to the workers as environment variables
-# (accelerate/utils/launch.py): ACCELERATE_MIXED_PRECISION, and under distributed_type FSDP
-# one FSDP_* variable per fsdp_config key, an absent key as accelerate's default, and
-# ACCELERATE_USE_FSDP=true, which is what makes train.py shard (`fsdp_launch`). train.py
-# shards the model itself (train.shard_model), so of those it honours fsdp_version: 2 and
-# fsdp_reshard_after_forward. Any other key set to something but its default would do
-# nothing, or fight train.py's own sharding: it is refused. Variable: (the default, why).
-REFUSED_FSDP_KEYS = {
-    "FSDP_OFFLOAD_PARAMS": ("false", "offloading parameters to the CPU is not supported "
-                                     "(nothing here can test it)"),
-    "FSDP_ACTIVATION_CHECKPOINTING": ("false", "train.py recomputes activations itself: use "
-                                               "--activation_recompute=full instead"),
-    "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": ("false", "activation offload is not supported"),
-    "FSDP_AUTO_WRAP_POLICY": (None, "train.py shards one group per block itself"),
-    "FSDP_TRANSFORMER_CLS_TO_WRAP": (None, "train.py shards one group per block itself"),
-    "FSDP_MIN_NUM_PARAMS": ("100000000", "train.py shards one group per block itself"),
-    "FSDP_IGNORED_MODULES": (None, "train.py shards every parameter"),
-    "FSDP_STATE_DICT_TYPE": (None, "checkpoints are always sharded DCP folders (`python "
-                                   "export.py OUT_DIR` writes a whole model)"),
-    "FSDP_SHARDING_STRATEGY": ("FULL_SHARD", "that is FSDP1's; set fsdp_reshard_after_forward"),
-    "FSDP_BACKWARD_PREFETCH": (None, "that is FSDP1's"),
-    "FSDP_FORWARD_PREFETCH": ("false", "that is FSDP1's"),
-    "FSDP_USE_ORIG_PARAMS": ("true", "that is FSDP1's"),
-    "FSDP_SYNC_MODULE_STATES": ("true", "every rank builds the same weights from the seed"),
-    "FSDP_CPU_RAM_EFFICIENT_LOADING": ("true", "it is for loading pretrained transformers "
-                                               "models"),
-}
-
-
-def fsdp_launch(environ) -> bool:
-    """Whether the launch config asks for FSDP (accelerate launch exports its yaml's
-    distributed_type FSDP as ACCELERATE_USE_FSDP): train.py then shards the model itself."""
-    return environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-
-
-def reshard_after_forward(environ) -> bool:
-    """The launch config's fsdp_reshard_after_forward (true when absent), for shard_model."""
-    return environ.get("FSDP_RESHARD_AFTER_FORWARD", "true") == "true"
-
-
-def check_launch(environ, precision: str) -> list[str]:
-    """Refuse, in one line, a launch-config key train.py would not honour; warn when the
-    launch config's mixed_precision differs from `precision`, the one this run uses: the
-    config's mixed_precision wins (it is part of the run, saved in every checkpoint)."""
-    if environ.get("ACCELERATE_DYNAMO_BACKEND", "NO") != "NO":
-        raise ValueError(f"launch config: dynamo_backend={environ['ACCELERATE_DYNAMO_BACKEND']} "
-                         f"would compile the model a second time; train.py compiles each block "
-                         f"itself: remove dynamo_config and use --compile_model")
-    if environ.get("ACCELERATE_USE_FSDP") == "true":
-        if environ.get("FSDP_VERSION") != "2":
-            raise ValueError(f"launch config: fsdp_version={environ.get('FSDP_VERSION')} asks "
-                             f"for FSDP1, and train.py shards with FSDP2 only; set "
-                             f"fsdp_version: 2")
-        if environ.get("FSDP_RESHARD_AFTER_FORWARD", "true") not in ("true", "false"):
-            raise ValueError(f"launch config: fsdp_reshard_after_forward="
-                             f"{environ['FSDP_RESHARD_AFTER_FORWARD']} must be true or false "
-                             f"under fsdp_version: 2")
-        for variable, (default, why) in REFUSED_FSDP_KEYS.items():
-            if environ.get(variable, default) != default:
-                raise ValueError(f"launch config: {variable.lower()}={environ[variable]} is "
-                                 f"not honoured: {why}; remove it from the yaml")
-    launched = environ.get("ACCELERATE_MIXED_PRECISION", precision)
-    if launched != precision:
-        return [f"warning: the launch config's mixed_precision={launched} is ignored: this run "
-                f"uses {precision}, from its config (--mixed_precision chooses)"]
-    return []
 
 
 def stack100m() -> TrainConfig:

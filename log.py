@@ -15,8 +15,9 @@ Every value the logger gets is already global (reduced across ranks by the loop)
 main process writes.
 
 Imports from stacklm: config (the nearest preset and the schedule's phases, for the start
-record) and model (the parameter counts of a config, for the memory check before the model
-is built). Otherwise it takes plain numbers, and starts report.py as a command.
+record) and model (the parameter and FLOP counts of a config, for the memory check before
+the model is built and for MFU). Otherwise it takes plain numbers and the run's objects, and
+starts report.py as a command.
 """
 
 import dataclasses
@@ -33,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 import config
-from model import count_matmul_params, count_params
+from model import count_matmul_params, count_params, flops_per_token
 
 # Dense bf16 tensor-core peak per GPU (vendor datasheets, no sparsity). MFU is reported
 # against these; unknown devices and CPUs show MFU as n/a rather than a made-up number.
@@ -41,6 +42,11 @@ PEAK_FLOPS = {
     "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "GH200": 989e12,
     "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "RTX 4090": 165e12,
 }
+
+
+def model_flops(cfg) -> dict[str, float]:
+    """Training FLOP per token in both conventions ("causal", "palm"), for TFLOP/s and MFU."""
+    return {c: flops_per_token(cfg.model, cfg.seq_len, c) for c in ("causal", "palm")}
 
 
 def code_revision(root=Path(__file__).resolve().parent) -> str:
@@ -462,11 +468,13 @@ class MetricsLogger:
         self.print(f"sample ({prompt!r} →):\n{text}")
         self.write({"kind": "sample", "step": step, "prompt": prompt, "text": text})
 
-    def log_train(self, step: int, result, lrs: dict[str, float], tokens_seen: int,
-                  skipped_steps: int, train_seconds: float, tokens_read: dict) -> dict:
-        """Throughput over the steps since the last line, on training time only (evaluation
-        and checkpoints excluded). TFLOP/s and MFU follow from tokens/s by construction:
-        tflops = flops_per_token × tokens/s and mfu = tflops / (peak × ranks)."""
+    def log_train(self, run, result, train_seconds: float) -> dict:
+        """The step `run` (train.Run) has reached, with `result` (train.StepResult), and the
+        data epochs begun since the last line. Throughput over the steps since the last line,
+        on training time only (`train_seconds`: evaluation and checkpoints excluded). TFLOP/s
+        and MFU follow from tokens/s by construction: tflops = flops_per_token × tokens/s and
+        mfu = tflops / (peak × ranks)."""
+        step, lrs = run.step, run.optimizers.lrs()
         steps = step - self.last_step
         seconds = max(train_seconds - self.last_seconds, 1e-9)
         tokens_per_s = steps * self.cfg.global_batch_tokens / seconds
@@ -477,12 +485,12 @@ class MetricsLogger:
             "kind": "train", "step": step,
             "loss": result.loss, "ce": result.ce, "z": result.z,
             "grad_norm": result.grad_norm, **{f"lr_{k}": v for k, v in lrs.items()},
-            "tokens_seen": tokens_seen,  # and below, the tokens read from each source so far
-            **{f"tokens/{source}": tokens for source, tokens in tokens_read.items()},
+            "tokens_seen": run.tokens_seen,  # and below, the tokens read from each source
+            **{f"tokens/{source}": tokens for source, tokens in run.loader.tokens_read().items()},
             "tokens_per_s": tokens_per_s, "tflops": tflops, "tflops_palm": tflops_palm,
             "mfu": tflops / peak_tflops if peak_tflops else None,
             "mfu_palm": tflops_palm / peak_tflops if peak_tflops else None,
-            "memory_gib": memory_gib(self.device), "skipped_steps": skipped_steps,
+            "memory_gib": memory_gib(self.device), "skipped_steps": run.skipped_steps,
             "elapsed_s": time.perf_counter() - self.start,
             "eta_s": (self.cfg.stop_at_step - step) * seconds / steps,
         }
@@ -490,6 +498,7 @@ class MetricsLogger:
         self.print(train_line(record, lrs, peak_tflops is not None))
         self.bar.update(steps)
         self.write(record)
+        self.log_epochs(run.loader.take_new_epochs())
         return record
 
     def log_eval(self, step: int, tokens_seen: int, metrics: dict) -> dict:

@@ -4,28 +4,18 @@
     python train.py --preset tiny        # ~4M parameters, minutes on a laptop CPU
     accelerate launch --config_file accelerate_configs/ddp.yaml train.py   # many GPUs
 
-`main(cfg)` is the whole program: `setup` builds the accelerator, data, model, optimizers
-and restores the checkpoint, if any; `train` is the loop. Each pass evaluates (every
-eval_every steps) and checkpoints (every ckpt_every) the step it has reached, sets the
-learning rates and the data stage from the step, takes one optimizer step (forward and
-backward over every micro-batch, clip, step) and logs. The last step is evaluated and saved
-by the same lines, however the run reaches it. accelerate supplies the launch, DDP, bf16
-autocast and the accumulation's gradient sync; train.py shards for FSDP2 itself
-(`shard_model`). The plumbing lives in checkpoint.py and log.py.
+`main(cfg)` is the whole program: `setup` builds the run's parts, `train` is the loop, and a
+finished run prints a sample. Each pass of the loop evaluates (every eval_every steps) and
+checkpoints (every ckpt_every) the step it has reached, sets the learning rates and the
+data stage from the step, takes one optimizer step (`train_step`: forward and backward over
+every micro-batch, clip, step) and logs. The last step is evaluated and saved by the same
+lines, however the run reaches it. accelerate supplies the launch, DDP, bf16 autocast and
+the accumulation's gradient sync; train.py shards for FSDP2 itself (`shard_model`).
 
-Loss normalisation. The loss is the mean over every target token of the global batch, all
-micro-batches on all ranks, as if it were one big batch: each micro-batch returns the *sum*
-of its token losses, and the target tokens of the whole global batch are counted before any
-backward pass. Training batches are packed full windows (data.pack), so every micro-batch
-holds as many targets as the next and a mean of per-micro-batch means would come out the
-same; the sum is what stays right where the counts differ, since a mean of means weights
-each token by 1 / (the targets of its micro-batch). They differ in the val split's last,
-padded rows (`val_loss`) and in the downstream tasks' rows (only a choice's tokens are
-targets), which sum and count the same way; tests/test_fsdp.py masks targets on purpose to
-check the loop on such batches.
-
-Imports from stacklm: checkpoint, cli, config, data, downstream, log, model, optim and
-prepare: it composes them.
+Imports from stacklm: checkpoint, cli, config, data, downstream, launch, log, model, optim,
+preflight and resume: it composes them. Their plumbing stays there: what a run checks before
+any work (preflight), how it meets its launcher (launch), which checkpoint it continues
+(resume), a checkpoint's files (checkpoint), the log (log).
 """
 
 import dataclasses
@@ -33,11 +23,10 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tokenizers import Tokenizer
 from torch.distributed.fsdp import FSDPModule
@@ -47,12 +36,14 @@ import checkpoint
 import config
 import data
 import downstream
+import launch
 import log
 import optim
-import prepare
+import preflight
+import resume
 from cli import is_rank0, user_errors
 from config import TrainConfig
-from model import Transformer, complete, flops_per_token
+from model import Transformer, complete
 
 
 @dataclasses.dataclass
@@ -90,29 +81,18 @@ class Run:
         self.skipped_steps = state["skipped_steps"]
         self.new_sources = bool(set(self.loader.sources) - set(state["loader"]["consumed"]))
 
-    def load_checkpoint(self, path: Path):
-        """Weights, optimizers, RNGs and this state from checkpoint `path`, on any rank count
-        (DCP reshards; the cursor counts global windows). Knobs given now win, except those
-        that cannot change; data stages may change only where they have not begun."""
-        state = checkpoint.read_train_state(path)
-        lines, self.start.resume_changes = config.check_resume(self.cfg, self.stages, state)
-        self.accelerator.print("\n".join(lines), end="\n" if lines else "")
-        self.load_state_dict(state)  # the loader refuses changed sources: before any I/O
-        checkpoint.load(self.accelerator, self.accelerator.unwrap_model(self.model),
-                        list(self.optimizers.named.values()), path)
-
 
 def main(cfg: TrainConfig, force: bool = False) -> dict:
     """Train as `cfg` says; return the last logged metrics and the final evaluation."""
     # From here to the end, SIGTERM (a preemption) or Ctrl-C finishes the step in flight,
     # saves and exits 0 (a second Ctrl-C quits now); one during setup stops after the first
     # step (step 1, or S + 1 on a resume from step S).
-    with checkpoint.StopFlag() as stop:
+    with launch.StopFlag() as stop:
         run = setup(cfg, force)  # force (--force): start even past a CPU's RAM
         # The log: the terminal, metrics.jsonl (which the run report is drawn from) and wandb.
         # However the run ends, leaving this block records how, and writes the report.
         with log.MetricsLogger(cfg, run.accelerator.is_main_process, run.accelerator.device,
-                               run.accelerator.num_processes, model_flops(cfg),
+                               run.accelerator.num_processes, log.model_flops(cfg),
                                start_step=run.step) as logger:
             logger.log_start(log.start_record(cfg, run.start, run.step, run.tokens_seen))
             metrics = train(run, stop, logger)
@@ -120,19 +100,18 @@ def main(cfg: TrainConfig, force: bool = False) -> dict:
                 metrics["sample"] = sample_text(cfg, run.accelerator, run.model)
                 logger.log_sample(run.step, cfg.sample_prompt, metrics["sample"])
         outcome = "finished" if run.step == cfg.stop_at_step else "stopped"
-        checkpoint.record_outcome(outcome, run.step, run.accelerator.is_local_main_process)
+        launch.record_outcome(outcome, run.step, run.accelerator.is_local_main_process)
     return metrics
 
 
-def train(run: Run, stop: checkpoint.StopFlag, logger: log.MetricsLogger) -> dict:
+def train(run: Run, stop: launch.StopFlag, logger: log.MetricsLogger) -> dict:
     """The loop, from run.step to cfg.stop_at_step or a stop request; returns the last logged
     metrics. Each pass evaluates and saves the step it has reached, when due, then trains
     one step; the last step is evaluated and saved by the same lines (nanochat's `last_step`)."""
-    cfg = run.cfg
-    # every source shares one tokenizer (setup checks), so one byte table serves all
+    cfg, first_step = run.cfg, run.step
+    # every source shares one tokenizer (preflight checks), so one byte table serves all
     token_bytes = data.token_bytes(run.stages[0].sources[0][0]).to(run.accelerator.device)
-    bad_steps = 0  # consecutive steps whose update was skipped (non-finite loss or norm)
-    first_step, last_ckpt, train_seconds, metrics = run.step, run.step, 0.0, {}
+    streak, train_seconds, metrics = 0, 0.0, {}  # streak: updates skipped in a row
     while True:
         last_step = run.step == cfg.stop_at_step
         # A source new to a resumed run is evaluated at once: its curve has a before.
@@ -141,9 +120,8 @@ def train(run: Run, stop: checkpoint.StopFlag, logger: log.MetricsLogger) -> dic
         # Not the step the run started from (step 0, or the checkpoint it resumed from),
         # and never during a non-finite streak: the weights may already be the damage.
         if (run.step % cfg.ckpt_every == 0 or last_step) and run.step != first_step \
-                and bad_steps == 0:
+                and not streak:
             save_checkpoint(run, logger)
-            last_ckpt = run.step
         if last_step:
             return metrics
 
@@ -152,79 +130,45 @@ def train(run: Run, stop: checkpoint.StopFlag, logger: log.MetricsLogger) -> dic
         run.optimizers.set_lr(optim.lr_multiplier(run.step, cfg))
         run.loader.set_step(run.step)
         result = train_step(run, stop)
-        train_seconds += result.seconds
         run.step += 1
         run.tokens_seen += cfg.global_batch_tokens
-
-        if result.skipped:
-            bad_steps, run.skipped_steps = bad_steps + 1, run.skipped_steps + 1
-            logger.log_skipped(run.step, result.loss, result.grad_norm, run.skipped_steps)
-            if bad_steps >= cfg.max_bad_steps:
-                give_up(run, bad_steps, last_ckpt)
-        else:
-            bad_steps = 0
+        train_seconds += result.seconds
+        streak = count_skipped(run, result, streak, logger)  # gives up after a long streak
         if run.step % cfg.log_every == 0 or run.step == cfg.stop_at_step:
-            metrics.update(logger.log_train(run.step, result, run.optimizers.lrs(),
-                                            run.tokens_seen, run.skipped_steps,
-                                            train_seconds, run.loader.tokens_read()))
-            logger.log_epochs(run.loader.take_new_epochs())
+            metrics.update(logger.log_train(run, result, train_seconds))
         # A signal: save this step and stop. The last step goes round once more instead,
         # to be evaluated and saved like any run's end.
         if result.stop and run.step != cfg.stop_at_step:
-            if bad_steps == 0:
-                save_checkpoint(run, logger)
-            run.accelerator.print(f"stop requested after step {run.step:,}; run the same "
-                                  f"command to resume from {checkpoint.newest(cfg.out_dir)}")
+            stop_here(run, logger, saved=not streak)
             return metrics
 
 
 def setup(cfg: TrainConfig, force: bool = False) -> Run:
-    """Accelerator, data, model, optimizers, and the checkpoint to resume from. Every
-    config and data mistake fails here, before any compute."""
-    candidates = checkpoint.resume_candidates(cfg.out_dir, cfg.resume)  # refuses overwrites
-    checkpoint.check_unfinished(candidates, cfg.stop_at_step, cfg.resume)  # nothing to train
-    launch_warnings = config.check_launch(os.environ, precision(cfg))  # refuses dead keys
-    # FSDP2 when the launch config asks for it, on any device: train.py shards the model
-    # itself, so a CPU run under gloo takes the very path a GPU run does (accelerate would
-    # choose FSDP on GPUs only, and wrap the model in DDP on CPUs).
-    sharded = config.fsdp_launch(os.environ)
-    accelerator = make_accelerator(cfg)
-    launch_warnings += log.check_memory(cfg, accelerator, sharded, force)  # past a CPU's RAM
-    stages = [data.Stage(*stage) for stage in cfg.stages(config.wsd_phases(cfg).decay_start)]
-    sources = list(dict.fromkeys(d for stage in stages for d, _ in stage.sources))
-    with accelerator.main_process_first():  # rank 0 prepares the built-in corpus if missing
-        if accelerator.is_main_process:
-            prepare.ensure_builtin(sources + downstream.corpora(cfg), cfg.model.vocab_size)
-    manifests = data.check_sources(sources, cfg.model.vocab_size)
-    tasks = downstream.load_tasks(cfg, data.tokenizer_path(sources[0]), accelerator.num_processes)
-    evaluated = data.val_shares(stages, manifests)  # sources with a val split, by weight
-    plan = config.data_plan(cfg, stages, {d: data.windows_per_epoch(m, "train", cfg.seq_len)
-                                          * cfg.seq_len for d, m in manifests.items()})
-    warnings = launch_warnings + config.check_epochs(cfg, plan)  # refuses past --max_epochs
-    # Rank 0 opens every split first, hashing its shards; the others read its record.
-    with accelerator.main_process_first():
-        loader = data.MixtureLoader(stages, cfg.seq_len, cfg.micro_batch_size,
+    """The run's parts, in the order they are built: the checkpoints it may continue, the
+    accelerator, what preflight checked (data, tasks, the banner's facts), the loader, the
+    model, the optimizers, accelerate's wrapping, and the resume. Every config and data
+    mistake fails before the model is built."""
+    found = resume.candidates(cfg)  # refuses an overwrite; says when there is nothing to train
+    accelerator = launch.make_accelerator(cfg)
+    plan = preflight.check(cfg, accelerator, force)  # every other refusal; the banner's facts
+    with accelerator.main_process_first():  # rank 0 hashes the shards; the others trust it
+        loader = data.MixtureLoader(plan.stages, cfg.seq_len, cfg.micro_batch_size,
                                     accelerator.process_index, accelerator.num_processes,
                                     seed=cfg.seed)
-        val_windows = {d: data.PackedShardLoader(d, "val", cfg.seq_len, 1).windows_per_epoch
-                       for d in evaluated}
-    compiled = use_compile(cfg)
-    model = build_model(cfg, compiled)
-    if sharded:  # before the optimizers are built, so they hold the sharded parameters
+    model = build_model(cfg, plan.start.hardware.compiled)
+    if plan.sharded:  # before the optimizers are built, so they hold the sharded parameters
         model = shard_model(model, accelerator.device, accelerator.mixed_precision == "bf16",
-                            config.reshard_after_forward(os.environ))
+                            launch.reshard_after_forward(os.environ))
     optimizers = optim.build_optimizers(model, cfg)
-    start = log.Start(log.hardware(accelerator, compiled, sharded), log.code_revision(), plan,
-                      evaluated, val_windows, downstream.describe(tasks))
-    accelerator.print(log.banner(cfg, start, model, optimizers, optim.schedule_summary(cfg),
-                                 model_flops(cfg)))
-    accelerator.print("\n".join(warnings), end="\n" if warnings else "")
-    if not sharded:  # DDP (several ranks) and bf16 autocast; a sharded model needs neither
+    accelerator.print(log.banner(cfg, plan.start, model, optimizers, optim.schedule_summary(cfg),
+                                 log.model_flops(cfg)))
+    accelerator.print("\n".join(plan.warnings), end="\n" if plan.warnings else "")
+    if not plan.sharded:  # DDP (several ranks) and bf16 autocast; a sharded model needs neither
         model, *prepared = accelerator.prepare(model, *optimizers.named.values())
         optimizers = optim.Optimizers(dict(zip(optimizers.named, prepared, strict=True)))
-    run = Run(cfg, accelerator, model, optimizers, loader, stages, manifests, start, tasks)
-    start.resumed_from = checkpoint.resume(accelerator, candidates, run.load_checkpoint,
-                                           cfg.resume, cfg.out_dir)
+    run = Run(cfg, accelerator, model, optimizers, loader, plan.stages, plan.manifests,
+              plan.start, plan.tasks)
+    run.start.resumed_from = resume.resume(run, found)  # None: a fresh start
     return run
 
 
@@ -239,32 +183,53 @@ class StepResult(NamedTuple):
     seconds: float
 
 
-def train_step(run: Run, stop: checkpoint.StopFlag) -> StepResult:
+def train_step(run: Run, stop: launch.StopFlag) -> StepResult:
     """One optimizer step over the global batch: forward and backward on every micro-batch,
-    clip, step both optimizers; a non-finite loss or norm skips the update."""
+    clip, step both optimizers; a non-finite loss or norm skips the update.
+
+    Loss normalisation: the loss is the mean over every target token of the global batch,
+    all micro-batches on all ranks, as if it were one big batch. Each micro-batch returns
+    the *sum* of its token losses, and the global batch's targets are counted before any
+    backward pass. Training batches are packed full windows (data.pack), so every
+    micro-batch holds as many targets as the next and a mean of per-micro-batch means would
+    come out the same; the sum is what stays right where counts differ, since a mean of
+    means weights each token by 1 / (the targets of its micro-batch). They differ in the
+    val split's padded last rows (`val_loss`) and in the downstream tasks' rows (only a
+    choice's tokens are targets), which sum and count the same way; tests/test_fsdp.py masks
+    targets on purpose to check this loop on such batches."""
     cfg, accelerator, model = run.cfg, run.accelerator, run.model
     world = accelerator.num_processes
     accum = cfg.grad_accum_steps(world)
     t0 = time.perf_counter()
-    # The global token count comes first: it is the denominator of every micro-batch.
+    # Every micro-batch is read before the first forward: the global token count is the
+    # denominator of each one's loss. That gives up overlapping the next read with this
+    # compute (nanoGPT prefetches), which costs little: the loader reads ~70M tokens/s, over
+    # 100× what one GPU trains.
     batches = [next(run.loader) for _ in range(accum)]  # accum × (B, T) per rank
     n_tokens = sum(int((b["targets"] != -100).sum()) for b in batches)
     n_tokens = accelerator.reduce(torch.tensor(n_tokens, device=accelerator.device), "sum")
-    # backward() divides by accum and DDP/FSDP average over ranks: undo both, so the
-    # gradient is d(sum of token losses) / n_tokens.
+    # backward() divides the loss by accum, and DDP/FSDP average the gradients over the
+    # ranks: this scale undoes both, so the gradient is d(sum of token losses) / n_tokens.
     scale = accum * world / n_tokens.float()
     sums = torch.zeros(3, device=accelerator.device)  # loss, ce, z summed over tokens
     for i, batch in enumerate(batches):
         batch = to_device(batch, accelerator.device)
+        # accumulate() skips DDP's all-reduce on all but the last micro-batch: gradients add
+        # up locally and cross the network once a step. accelerate skips FSDP2's reduce-
+        # scatter only where it chose FSDP itself (GPUs); train.py shards on any device, so
+        # it tells its FSDP2 model itself.
         with accelerator.accumulate(model):
-            sync_gradients_if(model, last=i == accum - 1)
+            if isinstance(model, FSDPModule):
+                model.set_requires_gradient_sync(i == accum - 1)
             loss, ce, z = model(**batch, reduction="sum")
             accelerator.backward(loss * scale)
-        sums += torch.stack([loss.detach().float(), ce.float(), z.float()])
+        sums += torch.stack([loss.detach().float(), ce.float(), z.float()])  # on the device
 
     # The norm is measured before clipping: the logged gnorm is what the step produced.
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
     grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+    # The host waits for the device here (.tolist(), float()): until now it only queued
+    # work. The step must wait anyway: whether to update depends on these numbers.
     loss, ce, z = (accelerator.reduce(sums, "sum") / n_tokens).tolist()
     grad_norm = float(grad_norm)
     skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
@@ -277,14 +242,6 @@ def train_step(run: Run, stop: checkpoint.StopFlag) -> StepResult:
     stop_votes = accelerator.reduce(stop.tensor(accelerator.device), "sum")
     return StepResult(loss, ce, z, grad_norm, skipped, stop_votes.item() > 0,
                       time.perf_counter() - t0)
-
-
-def sync_gradients_if(model, last: bool):
-    """An FSDP2 model reduce-scatters its gradients on the last micro-batch of a step only,
-    as DDP all-reduces them (accelerate.accumulate skips the others' sync for DDP, and for
-    FSDP2 only where it chose FSDP itself: on GPUs; train.py shards on any device)."""
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(last)
 
 
 def evaluate(run: Run, token_bytes: torch.Tensor) -> dict:
@@ -341,32 +298,6 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def make_accelerator(cfg: TrainConfig) -> Accelerator:
-    """One Accelerator for the run. The world size must be known before it exists (it sets
-    the accumulation), so it is read from the launcher's environment via PartialState.
-    Without CUDA, `cpu=True` makes a multi-process launch DDP over gloo (MULTI_CPU)."""
-    cpu = not torch.cuda.is_available()
-    if not cpu:
-        # fp32 matmuls (the loss head's fp32 logits above all) run on TF32 tensor cores:
-        # fp32 range and accumulation, 10-bit mantissa inputs, as nanoGPT and torchtitan do.
-        torch.set_float32_matmul_precision("high")
-    world_size = PartialState(cpu=cpu).num_processes
-    return Accelerator(cpu=cpu, mixed_precision=precision(cfg),
-                       gradient_accumulation_steps=cfg.grad_accum_steps(world_size))
-
-
-def precision(cfg: TrainConfig) -> str:
-    """accelerate's mixed_precision for this run: the config's, `auto` being bf16 on a GPU
-    and fp32 ("no") on a CPU. It wins over the launch config's (config.check_launch warns)."""
-    if cfg.mixed_precision == "auto":
-        return "bf16" if torch.cuda.is_available() else "no"
-    return cfg.mixed_precision
-
-
-def use_compile(cfg: TrainConfig) -> bool:  # auto: on CUDA
-    return cfg.compile_model == "true" or cfg.compile_model == "auto" and torch.cuda.is_available()
-
-
 def build_model(cfg: TrainConfig, compile_model: bool) -> Transformer:
     """The model, seeded so every rank starts from identical weights. Each block is compiled
     on its own (torchtitan's regional compilation): fast, and FSDP2's hooks, added later
@@ -402,10 +333,6 @@ def shard_model(model: Transformer, device: torch.device, bf16: bool,
     return model
 
 
-def model_flops(cfg: TrainConfig) -> dict[str, float]:  # FLOP/token in both conventions
-    return {c: flops_per_token(cfg.model, cfg.seq_len, c) for c in ("causal", "palm")}
-
-
 def save_checkpoint(run: Run, logger: log.MetricsLogger):
     """out_dir/ckpt/step_XXXXXXX: weights, optimizers, RNGs and run.state_dict(), all a
     bitwise resume needs; then the log records it (and redraws the run report)."""
@@ -428,26 +355,30 @@ def sample_text(cfg: TrainConfig, accelerator, model) -> str:
                         cfg.sample_tokens)
 
 
-class TrainingDiverged(RuntimeError):
-    """The loss or the gradient norm stayed non-finite for max_bad_steps steps in a row."""
+def count_skipped(run: Run, result: StepResult, streak: int, logger: log.MetricsLogger) -> int:
+    """The updates skipped in a row, this step's included; each is logged, and max_bad_steps
+    in a row stop the run (checkpoint.give_up)."""
+    if not result.skipped:
+        return 0
+    run.skipped_steps += 1
+    logger.log_skipped(run.step, result.loss, result.grad_norm, run.skipped_steps)
+    if streak + 1 >= run.cfg.max_bad_steps:
+        checkpoint.give_up(run.cfg, run.step, streak + 1, run.optimizers.lrs(),
+                           run.accelerator.is_main_process)
+    return streak + 1
 
 
-def give_up(run: Run, bad_steps: int, last_ckpt: int):
-    """Stop a run whose loss stayed non-finite. A checkpoint written just before the streak
-    holds the weights that gave its first loss: set it aside (renamed .diverged)."""
-    cfg, suspect = run.cfg, checkpoint.step_path(run.cfg.out_dir, last_ckpt)
-    if last_ckpt == run.step - bad_steps and suspect.exists() and run.accelerator.is_main_process:
-        checkpoint.set_aside(suspect, "diverged")
-    rates = " ".join(f"{name} {lr:.2e}" for name, lr in run.optimizers.lrs().items())
-    raise TrainingDiverged(
-        f"{bad_steps} consecutive non-finite steps (the last at step {run.step}, lr {rates}): "
-        f"stopping; the newest checkpoint from before them is {checkpoint.newest(cfg.out_dir)}. "
-        f"Lower --muon_peak_lr={cfg.muon_peak_lr:g} and --adamw_peak_lr={cfg.adamw_peak_lr:g} "
-        f"(or --grad_clip={cfg.grad_clip:g}) and run again: it resumes from there")
+def stop_here(run: Run, logger: log.MetricsLogger, saved: bool):
+    """A stop request (SIGTERM, Ctrl-C): save this step, unless a non-finite streak makes the
+    weights suspect, and say how to go on."""
+    if saved:
+        save_checkpoint(run, logger)
+    run.accelerator.print(f"stop requested after step {run.step:,}; run the same command to "
+                          f"resume from {checkpoint.newest(run.cfg.out_dir)}")
 
 
 # What a user can fix is one line (cli.user_errors); anything else keeps its traceback.
-USER_ERRORS = (ValueError, OSError, TrainingDiverged)
+USER_ERRORS = (ValueError, OSError, checkpoint.TrainingDiverged)
 
 
 def cli(argv=None):
@@ -455,7 +386,7 @@ def cli(argv=None):
     on a GPU, else `tiny`. A user error is one line and exit status 2 (`--debug`: traceback)."""
     argv = sys.argv[1:] if argv is None else argv
     default = "stack100m" if torch.cuda.is_available() else "tiny"
-    with user_errors("--debug" in argv, USER_ERRORS, checkpoint.StopFlag.QUIT):
+    with user_errors("--debug" in argv, USER_ERRORS, launch.StopFlag.QUIT):
         cfg, args = config.parse_args(argv, default_preset=default)
         if args.preset is None and default == "tiny" and is_rank0():
             print("no CUDA GPU found: running the `tiny` preset on the CPU "

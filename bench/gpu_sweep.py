@@ -10,8 +10,8 @@ which this sweep's `default` row measures, and `;` lets the sweep run even if a 
     bash bench/gpu_check.sh --quick; python bench/gpu_sweep.py --budget_s=300 --steps=15
 
 Each variant builds its own model and optimizers from the same seed (train.build_model,
-optim.build_optimizers, train.make_accelerator), reads the same batches of the built-in
-corpus (data/stdlib-32k, prepared if missing) and runs the trainer's own step
+optim.build_optimizers, launch.make_accelerator), reads the same batches of the
+built-in corpus (data/stdlib-32k, prepared if missing) and runs the trainer's own step
 (train.train_step): `warmup` steps for compilation and warm-up, then `steps` timed ones
 between two CUDA synchronisations. A variant that fails (out of memory, a compile error,
 the time budget) reports its error in its row and the sweep goes on. It prints a table,
@@ -42,9 +42,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import checkpoint  # noqa: E402
 import config  # noqa: E402
 import data  # noqa: E402
+import launch
 import optim  # noqa: E402
 import prepare  # noqa: E402
 import log  # noqa: E402
@@ -199,8 +199,8 @@ def alarm(signum, frame):
 
 
 def measure(variant: Variant, cfg, steps: int, warmup: int, dry_run: bool, t0: float) -> dict:
-    accelerator = train.make_accelerator(cfg)
-    model = train.build_model(cfg, train.use_compile(cfg))
+    accelerator = launch.make_accelerator(cfg)
+    model = train.build_model(cfg, launch.use_compile(cfg))
     optimizers = optim.build_optimizers(model, cfg)
     if variant.ns_dtype is not None:
         optimizers.named["muon"].ns_dtype = variant.ns_dtype
@@ -214,7 +214,7 @@ def measure(variant: Variant, cfg, steps: int, warmup: int, dry_run: bool, t0: f
                     loader=WithoutDocumentIds(loader) if variant.drop_seq_ids else loader,
                     stages=[], manifests={}, start=None, tasks=[])
     try:
-        with checkpoint.StopFlag() as stop:
+        with launch.StopFlag() as stop:
             for step in range(warmup + steps):
                 if step == warmup:
                     synchronize()

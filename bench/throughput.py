@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import config  # noqa: E402
 import data  # noqa: E402
+import launch
 import optim  # noqa: E402
 import prepare  # noqa: E402
 import train  # noqa: E402
@@ -40,8 +41,8 @@ def loop_tokens_per_s(cfg, warmup: int) -> float:
 
 
 def bare_tokens_per_s(cfg, steps: int, warmup: int) -> float:
-    accelerator = train.make_accelerator(cfg)
-    model = train.build_model(cfg, train.use_compile(cfg))
+    accelerator = launch.make_accelerator(cfg)
+    model = train.build_model(cfg, launch.use_compile(cfg))
     optimizers = optim.build_optimizers(model, cfg)
     model, *prepared = accelerator.prepare(model, *optimizers.named.values())
     optimizers = optim.Optimizers(dict(zip(optimizers.named, prepared, strict=True)))
@@ -86,7 +87,7 @@ def main():
             loop.append(loop_tokens_per_s(run_cfg, args.warmup))
     loop_median, bare_median = statistics.median(loop), statistics.median(bare)
     print(json.dumps({"bench": "throughput", "preset": args.preset,
-                      "device": str(train.make_accelerator(cfg).device),
+                      "device": str(launch.make_accelerator(cfg).device),
                       "loop_tokens_per_s": round(loop_median, 1),
                       "bare_tokens_per_s": round(bare_median, 1),
                       "ratio": round(loop_median / bare_median, 4),

@@ -44,8 +44,8 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import checkpoint  # noqa: E402
-import config  # noqa: E402
 import data  # noqa: E402
+import launch
 import log  # noqa: E402
 import optim  # noqa: E402
 import train  # noqa: E402
@@ -99,7 +99,7 @@ def make_run(cfg, data_dir: str) -> train.Run:
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=cfg.grad_accum_steps(world))
     model = train.build_model(cfg, compile_model=False)
     model = train.shard_model(model, accelerator.device, bf16=False,
-                              reshard_after_forward=config.reshard_after_forward(os.environ))
+                              reshard_after_forward=launch.reshard_after_forward(os.environ))
     optimizers = optim.build_optimizers(model, cfg)
     stages = [data.Stage(0, ((data_dir, 1.0),))]
     loader = MaskedLoader(stages, cfg.seq_len, cfg.micro_batch_size, accelerator.process_index,
@@ -113,7 +113,7 @@ def make_run(cfg, data_dir: str) -> train.Run:
 def train_steps(run: train.Run) -> list[train.StepResult]:
     """What train.main does around each step, without evaluation, logging or checkpoints."""
     results = []
-    with checkpoint.StopFlag() as stop:
+    with launch.StopFlag() as stop:
         while run.step < run.cfg.stop_at_step:
             run.optimizers.set_lr(optim.lr_multiplier(run.step, run.cfg))
             results.append(train.train_step(run, stop))

@@ -11,6 +11,7 @@ from accelerate import Accelerator
 
 import checkpoint
 import config
+import launch
 import optim
 from model import Transformer
 
@@ -138,12 +139,12 @@ def test_signals_after_the_first(monkeypatch, capfd):
     ranks stay quiet. The old handlers come back on exit."""
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     ack = "stopping after this step (Ctrl-C again to quit now)\n"
-    with checkpoint.StopFlag() as stop:
+    with launch.StopFlag() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.requested
     assert capfd.readouterr().err == ack
-    with checkpoint.StopFlag() as stop:
+    with launch.StopFlag() as stop:
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.requested
         assert capfd.readouterr().err == ack
@@ -151,7 +152,7 @@ def test_signals_after_the_first(monkeypatch, capfd):
             os.kill(os.getpid(), signal.SIGINT)
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
     monkeypatch.setenv("RANK", "1")
-    with checkpoint.StopFlag() as stop:
+    with launch.StopFlag() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.requested
     assert capfd.readouterr().err == ""

@@ -17,6 +17,7 @@ from accelerate.utils.launch import prepare_multi_gpu_env
 
 import checkpoint
 import config
+import launch
 import train
 from conftest import LOSS_RTOL, WEIGHT_TOL, micro_config
 from test_train import (REPO, assert_weights, checkpoint_weights, cli_args, free_port,
@@ -341,7 +342,7 @@ def test_sigterm_to_the_launcher_alone_saves_and_records_the_stop(small_data_dir
 
 def start_two_ranks(cfg, outcome_file: Path) -> subprocess.Popen:
     """train.py on 2 ranks under accelerate launch, recording its outcome in outcome_file."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", checkpoint.OUTCOME_FILE: str(outcome_file)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", launch.OUTCOME_FILE: str(outcome_file)}
     return subprocess.Popen(launch_command(cfg, processes=2), cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -406,7 +407,7 @@ def test_a_sigterm_after_training_still_exits_zero(small_data_dir, tmp_path, mon
         os.kill(os.getpid(), signal.SIGTERM)
         return complete(*args, **kwargs)
     monkeypatch.setattr(train, "complete", interrupted)
-    monkeypatch.setenv(checkpoint.OUTCOME_FILE, str(tmp_path / "out"))
+    monkeypatch.setenv(launch.OUTCOME_FILE, str(tmp_path / "out"))
     previous = signal.signal(signal.SIGTERM, lambda *_: escaped.append(True))
     try:
         metrics = train.main(micro_config(small_data_dir, str(tmp_path / "run"), stop_at_step=4))
@@ -428,7 +429,7 @@ def test_a_sigterm_during_setup_stops_the_run_after_its_first_step(small_data_di
         os.kill(os.getpid(), signal.SIGTERM)
         return revision()
     monkeypatch.setattr(log, "code_revision", interrupted)  # called inside setup
-    monkeypatch.setenv(checkpoint.OUTCOME_FILE, str(tmp_path / "out"))
+    monkeypatch.setenv(launch.OUTCOME_FILE, str(tmp_path / "out"))
     previous = signal.signal(signal.SIGTERM, lambda *_: escaped.append(True))
     try:
         train.main(micro_config(small_data_dir, str(tmp_path / "run")))
@@ -454,9 +455,9 @@ def launched_env(yaml_text: str, tmp_path: Path) -> dict:
 def test_the_shipped_launch_configs_pass_the_check(yaml, tmp_path):
     text = (REPO / "accelerate_configs" / yaml).read_text()
     env = launched_env(text, tmp_path)
-    assert config.check_launch(env, "bf16") == []
-    assert config.reshard_after_forward(env)
-    assert config.check_launch(env, "no") == [
+    assert launch.check_launch(env, "bf16") == []
+    assert launch.reshard_after_forward(env)
+    assert launch.check_launch(env, "no") == [
         "warning: the launch config's mixed_precision=bf16 is ignored: this run uses no, from "
         "its config (--mixed_precision chooses)"]
 
@@ -473,7 +474,7 @@ FSDP_YAML = (REPO / "accelerate_configs" / "fsdp2.yaml").read_text()
 def test_a_launch_config_key_train_py_would_not_honour_is_refused(key, value, tmp_path):
     env = launched_env(f"{FSDP_YAML}  {key}: {value}\n", tmp_path)
     with pytest.raises(ValueError, match=f"^launch config: {key}={value} "):
-        config.check_launch(env, "bf16")
+        launch.check_launch(env, "bf16")
 
 
 def test_fsdp_reshard_after_forward_false_reaches_shard_model(tmp_path):
@@ -481,13 +482,13 @@ def test_fsdp_reshard_after_forward_false_reaches_shard_model(tmp_path):
     gathered after the forward when it is false."""
     env = launched_env(FSDP_YAML.replace("reshard_after_forward: true",
                                          "reshard_after_forward: false"), tmp_path)
-    assert config.check_launch(env, "bf16") == [] and not config.reshard_after_forward(env)
+    assert launch.check_launch(env, "bf16") == [] and not launch.reshard_after_forward(env)
 
 
 def test_dynamo_in_the_launch_config_is_refused(tmp_path):
     env = launched_env(FSDP_YAML + "dynamo_config:\n  dynamo_backend: INDUCTOR\n", tmp_path)
     with pytest.raises(ValueError, match="would compile the model a second time"):
-        config.check_launch(env, "bf16")
+        launch.check_launch(env, "bf16")
 
 
 def test_train_refuses_a_launch_key_before_any_work(small_data_dir, tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ import checkpoint
 import cli
 import config
 import data
+import launch
 import log
 import optim
 import prepare
@@ -130,7 +131,7 @@ def test_a_diverging_run_checkpoints_no_damage_and_the_advice_works(small_data_d
     command with sane rates) resumes from clean weights and trains to the end."""
     wild = micro_config(small_data_dir, str(tmp_path), muon_peak_lr=1e6, adamw_peak_lr=1e6,
                         grad_clip=0.0, ckpt_every=1, max_bad_steps=2, warmup_steps=0)
-    with pytest.raises(train.TrainingDiverged, match=r"--muon_peak_lr=1e\+06") as error:
+    with pytest.raises(checkpoint.TrainingDiverged, match=r"--muon_peak_lr=1e\+06") as error:
         train.main(wild)
     bad = [r["step"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text()
                                   .splitlines()) if r["kind"] == "skip"]
@@ -319,11 +320,11 @@ def test_ctrl_c_is_acknowledged_at_once_and_a_second_one_quits_in_one_line(small
     try:
         assert wait_for(out, "eval      0 |", 120), out.read_text() + err.read_text()
         proc.send_signal(signal.SIGINT)  # step 1 has begun: 4,096 micro-batches
-        ack = checkpoint.StopFlag.ACKNOWLEDGEMENT.decode()
+        ack = launch.StopFlag.ACKNOWLEDGEMENT.decode()
         assert wait_for(err, ack, 5), err.read_text()
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 130
     finally:
         proc.kill()
-    assert err.read_text() == ack + checkpoint.StopFlag.QUIT + "\n"
+    assert err.read_text() == ack + launch.StopFlag.QUIT + "\n"
     assert not (tmp_path / "out" / "ckpt").exists()

@@ -20,6 +20,7 @@ import checkpoint
 import data
 import dist_fsdp
 import export
+import launch
 import train
 from conftest import GRAD_NORM_RTOL, LOSS_RTOL, WEIGHT_TOL, micro_config
 from model import Transformer
@@ -189,7 +190,7 @@ def launch_fsdp2(cfg, processes: int, outcome: Path) -> subprocess.Popen:
     """train.py under `accelerate launch --config_file accelerate_configs/fsdp2.yaml`, the
     file a GPU node uses, on CPU processes: train.py shards from the launch config, not from
     the device, so this is the GPU's path over gloo."""
-    env = os.environ | {"OMP_NUM_THREADS": "1", checkpoint.OUTCOME_FILE: str(outcome)}
+    env = os.environ | {"OMP_NUM_THREADS": "1", launch.OUTCOME_FILE: str(outcome)}
     return subprocess.Popen(launch_command(cfg, processes, config_file="fsdp2.yaml"),
                             cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

@@ -38,10 +38,11 @@ def test_each_file_imports_what_its_docstring_says(module):
 
 
 # README's Reading order: the plumbing imports config, cli and data at most, plus one named
-# thing each for log, downstream and prepare.
-PLUMBING = ("checkpoint", "log", "report", "prepare", "downstream", "cli")
+# module each for log, downstream, prepare and resume.
+PLUMBING = ("checkpoint", "launch", "resume", "log", "report", "prepare", "downstream", "cli")
 PLUMBING_IMPORTS = {"config", "cli", "data"}
-PLUMBING_EXTRAS = {"log": {"model"}, "downstream": {"prepare"}, "prepare": {"checkpoint"}}
+PLUMBING_EXTRAS = {"log": {"model"}, "downstream": {"prepare"}, "prepare": {"checkpoint"},
+                   "resume": {"checkpoint"}}
 
 
 @pytest.mark.parametrize("module", PLUMBING)

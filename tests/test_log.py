@@ -4,6 +4,7 @@ import dataclasses
 import io
 import json
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,15 @@ def test_readmes_memory_table_is_the_banners_estimate():
         assert f"{float(total):.{digits}f}" == quoted, overrides
 
 
+def logged_run(step: int, lrs: dict[str, float]):
+    """What log_train reads of a train.Run: the step, the rates, the counters, the loader's
+    per-source tokens and new epochs (none here)."""
+    loader = types.SimpleNamespace(tokens_read=dict, take_new_epochs=dict)
+    optimizers = types.SimpleNamespace(lrs=lambda: lrs)
+    return types.SimpleNamespace(step=step, optimizers=optimizers, tokens_seen=step * 4096,
+                                 skipped_steps=0, loader=loader)
+
+
 def test_log_line_labels_each_learning_rate(tmp_path, monkeypatch):
     """The rates are labelled by optimizer, in the order given, and the metrics record
     carries the same numbers under lr_<name>."""
@@ -110,8 +120,8 @@ def test_log_line_labels_each_learning_rate(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.stdout", printed)
     with log.MetricsLogger(cfg, True, torch.device("cpu"), 1, flops, start_step=0) as logger:
         result = StepResult(4.0, 3.99, 0.01, 0.5, skipped=False, stop=False, seconds=2.0)
-        logger.log_train(10, result, {"muon": 6e-3, "adamw": 3e-3}, 40960, 0,
-                         train_seconds=2.0, tokens_read={})
+        logger.log_train(logged_run(10, {"muon": 6e-3, "adamw": 3e-3}), result,
+                         train_seconds=2.0)
     assert "| lr muon 6.00e-03 adamw 3.00e-03 |" in printed.getvalue()
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert (record["lr_muon"], record["lr_adamw"]) == (6e-3, 3e-3)
@@ -126,9 +136,9 @@ def test_no_progress_bar_when_not_a_terminal(tmp_path, capsys):
     with log.MetricsLogger(cfg, True, torch.device("cpu"), 1, {"causal": 1.0, "palm": 1.0},
                            start_step=0) as logger:
         for step in (10, 20):
-            logger.log_train(step, StepResult(1.0, 1.0, 0.0, 1.0, False, False, 1.0),
-                             {"muon": 1e-3, "adamw": 1e-3}, step * 4096, 0,
-                             train_seconds=step, tokens_read={})
+            logger.log_train(logged_run(step, {"muon": 1e-3, "adamw": 1e-3}),
+                             StepResult(1.0, 1.0, 0.0, 1.0, False, False, 1.0),
+                             train_seconds=step)
     out = capsys.readouterr()
     assert "\r" not in out.out + out.err
     assert out.out.count("step ") == 2

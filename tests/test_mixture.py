@@ -17,6 +17,7 @@ import data
 import export
 import prepare
 import report
+import resume
 import sample
 import train
 from conftest import micro_config
@@ -324,10 +325,10 @@ def test_a_stage_that_has_not_begun_may_be_edited_and_the_run_says_so():
     line names the edit as a change (an added stage says "added")."""
     saved = [[0, [["a", 1.0]]], [6, [["b", 1.0]]]]
     ours = [(0, (("a", 1.0),)), (6, (("c", 1.0),))]
-    assert config.check_stages(saved, ours, 4) == ["resume: data stage from step 6 changed: c:1"]
-    assert config.check_stages(saved, ours, 6) == ["resume: data stage from step 6 changed: c:1"]
+    assert resume.check_stages(saved, ours, 4) == ["resume: data stage from step 6 changed: c:1"]
+    assert resume.check_stages(saved, ours, 6) == ["resume: data stage from step 6 changed: c:1"]
     with pytest.raises(ValueError, match="the stage from step 6: b:1 → c:1"):
-        config.check_stages(saved, ours, 7)  # begun at 6: refused
+        resume.check_stages(saved, ours, 7)  # begun at 6: refused
 
 
 def test_a_checkpoint_from_before_mixtures_resumes_as_a_mixture_of_one(small_data_dir,

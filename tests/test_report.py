@@ -16,6 +16,7 @@ import pytest
 import torch
 from matplotlib.colors import to_rgba
 
+import checkpoint
 import config
 import log
 import report
@@ -208,7 +209,7 @@ def test_a_one_step_run_gets_a_report(small_data_dir, tmp_path):
 def test_a_diverged_run_reports_why_it_ended(small_data_dir, tmp_path):
     wild = micro_config(small_data_dir, str(tmp_path), muon_peak_lr=1e6, adamw_peak_lr=1e6,
                         grad_clip=0.0, max_bad_steps=2, warmup_steps=0, write_report=True)
-    with pytest.raises(train.TrainingDiverged):
+    with pytest.raises(checkpoint.TrainingDiverged):
         train.main(wild)
     [end] = records(tmp_path, "end")
     assert end["outcome"] == "error" and end["error"].startswith("TrainingDiverged: 2 consecutive")

@@ -377,7 +377,7 @@ def test_non_finite_loss_skips_the_update(small_data_dir, tmp_path, monkeypatch)
 def test_consecutive_non_finite_steps_stop_the_run(small_data_dir, tmp_path, monkeypatch):
     cfg = micro_config(small_data_dir, str(tmp_path), ckpt_every=2, max_bad_steps=2)
     inject_nan_loss(monkeypatch, bad_steps={2, 3, 4, 5, 6, 7}, accum=cfg.grad_accum_steps(1))
-    with pytest.raises(train.TrainingDiverged, match="2 consecutive non-finite steps"):
+    with pytest.raises(checkpoint.TrainingDiverged, match="2 consecutive non-finite steps"):
         train.main(cfg)
     # step_0000002's weights gave the first non-finite loss (row 3): set aside, not deleted
     assert checkpoint.find(cfg.out_dir, "auto") is None
@@ -410,7 +410,7 @@ def test_non_finite_weights_are_never_checkpointed(small_data_dir, tmp_path, mon
                 for p in group["params"]:
                     p.data.fill_(float("nan"))
     monkeypatch.setattr(optim.Muon, "step", poisoned_step)
-    with pytest.raises(train.TrainingDiverged, match="5 consecutive non-finite steps"):
+    with pytest.raises(checkpoint.TrainingDiverged, match="5 consecutive non-finite steps"):
         train.main(cfg)  # rows 4..8 are non-finite; row 4's checkpoint is not written
     assert checkpoint.find(cfg.out_dir, "auto").name == "step_0000002"
 

@@ -1,0 +1,176 @@
+"""How a run meets its launcher and its machine: the Accelerator, with the precision and
+compilation this machine gets (`make_accelerator`, `precision`, `use_compile`); the launch
+config's keys (what an accelerate yaml asks of train.py, read from the environment
+`accelerate launch` gives the workers: `check_launch`, `fsdp_launch`); the signals a
+scheduler sends (`StopFlag`: SIGTERM or Ctrl-C finishes the step, saves, exits 0); and the
+outcome file a launch script reads, since a launcher's exit status cannot tell a clean stop
+from a crash (`record_outcome`).
+
+Imports from stacklm: cli (is_rank0, for the one acknowledgement of a stop). It takes a
+config object.
+"""
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator, PartialState
+
+from cli import is_rank0
+
+
+def make_accelerator(cfg) -> Accelerator:
+    """One Accelerator for the run. The world size must be known before it exists (it sets
+    the accumulation), so it is read from the launcher's environment via PartialState.
+    Without CUDA, `cpu=True` makes a multi-process launch DDP over gloo (MULTI_CPU)."""
+    cpu = not torch.cuda.is_available()
+    if not cpu:
+        # fp32 matmuls (the loss head's fp32 logits above all) run on TF32 tensor cores:
+        # fp32 range and accumulation, 10-bit mantissa inputs, as nanoGPT and torchtitan do.
+        torch.set_float32_matmul_precision("high")
+    world_size = PartialState(cpu=cpu).num_processes
+    return Accelerator(cpu=cpu, mixed_precision=precision(cfg),
+                       gradient_accumulation_steps=cfg.grad_accum_steps(world_size))
+
+
+def precision(cfg) -> str:
+    """accelerate's mixed_precision for this run: the config's, `auto` being bf16 on a GPU
+    and fp32 ("no") on a CPU. It wins over the launch config's (check_launch warns)."""
+    if cfg.mixed_precision == "auto":
+        return "bf16" if torch.cuda.is_available() else "no"
+    return cfg.mixed_precision
+
+
+def use_compile(cfg) -> bool:  # auto: on CUDA
+    return cfg.compile_model == "true" or cfg.compile_model == "auto" and torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------------------------------
+# The launch config: what accelerate's yaml asks of train.py
+# ---------------------------------------------------------------------------------------
+
+# `accelerate launch` hands its yaml to the workers as environment variables
+# (accelerate/utils/launch.py): ACCELERATE_MIXED_PRECISION, and under distributed_type FSDP
+# one FSDP_* variable per fsdp_config key, an absent key as accelerate's default, and
+# ACCELERATE_USE_FSDP=true, which is what makes train.py shard (`fsdp_launch`). train.py
+# shards the model itself (train.shard_model), so of those it honours fsdp_version: 2 and
+# fsdp_reshard_after_forward. Any other key set to something but its default would do
+# nothing, or fight train.py's own sharding: it is refused. Variable: (the default, why).
+REFUSED_FSDP_KEYS = {
+    "FSDP_OFFLOAD_PARAMS": ("false", "offloading parameters to the CPU is not supported "
+                                     "(nothing here can test it)"),
+    "FSDP_ACTIVATION_CHECKPOINTING": ("false", "train.py recomputes activations itself: use "
+                                               "--activation_recompute=full instead"),
+    "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": ("false", "activation offload is not supported"),
+    "FSDP_AUTO_WRAP_POLICY": (None, "train.py shards one group per block itself"),
+    "FSDP_TRANSFORMER_CLS_TO_WRAP": (None, "train.py shards one group per block itself"),
+    "FSDP_MIN_NUM_PARAMS": ("100000000", "train.py shards one group per block itself"),
+    "FSDP_IGNORED_MODULES": (None, "train.py shards every parameter"),
+    "FSDP_STATE_DICT_TYPE": (None, "checkpoints are always sharded DCP folders (`python "
+                                   "export.py OUT_DIR` writes a whole model)"),
+    "FSDP_SHARDING_STRATEGY": ("FULL_SHARD", "that is FSDP1's; set fsdp_reshard_after_forward"),
+    "FSDP_BACKWARD_PREFETCH": (None, "that is FSDP1's"),
+    "FSDP_FORWARD_PREFETCH": ("false", "that is FSDP1's"),
+    "FSDP_USE_ORIG_PARAMS": ("true", "that is FSDP1's"),
+    "FSDP_SYNC_MODULE_STATES": ("true", "every rank builds the same weights from the seed"),
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": ("true", "it is for loading pretrained transformers "
+                                               "models"),
+}
+
+
+def fsdp_launch(environ) -> bool:
+    """Whether the launch config asks for FSDP (accelerate launch exports its yaml's
+    distributed_type FSDP as ACCELERATE_USE_FSDP): train.py then shards the model itself."""
+    return environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def reshard_after_forward(environ) -> bool:
+    """The launch config's fsdp_reshard_after_forward (true when absent), for shard_model."""
+    return environ.get("FSDP_RESHARD_AFTER_FORWARD", "true") == "true"
+
+
+def check_launch(environ, run_precision: str) -> list[str]:
+    """Refuse, in one line, a launch-config key train.py would not honour; warn when the
+    launch config's mixed_precision differs from `run_precision`, the one this run uses: the
+    config's mixed_precision wins (it is part of the run, saved in every checkpoint)."""
+    if environ.get("ACCELERATE_DYNAMO_BACKEND", "NO") != "NO":
+        raise ValueError(f"launch config: dynamo_backend={environ['ACCELERATE_DYNAMO_BACKEND']} "
+                         f"would compile the model a second time; train.py compiles each block "
+                         f"itself: remove dynamo_config and use --compile_model")
+    if environ.get("ACCELERATE_USE_FSDP") == "true":
+        if environ.get("FSDP_VERSION") != "2":
+            raise ValueError(f"launch config: fsdp_version={environ.get('FSDP_VERSION')} asks "
+                             f"for FSDP1, and train.py shards with FSDP2 only; set "
+                             f"fsdp_version: 2")
+        if environ.get("FSDP_RESHARD_AFTER_FORWARD", "true") not in ("true", "false"):
+            raise ValueError(f"launch config: fsdp_reshard_after_forward="
+                             f"{environ['FSDP_RESHARD_AFTER_FORWARD']} must be true or false "
+                             f"under fsdp_version: 2")
+        for variable, (default, why) in REFUSED_FSDP_KEYS.items():
+            if environ.get(variable, default) != default:
+                raise ValueError(f"launch config: {variable.lower()}={environ[variable]} is "
+                                 f"not honoured: {why}; remove it from the yaml")
+    launched = environ.get("ACCELERATE_MIXED_PRECISION", run_precision)
+    if launched != run_precision:
+        return [f"warning: the launch config's mixed_precision={launched} is ignored: this run "
+                f"uses {run_precision}, from its config (--mixed_precision chooses)"]
+    return []
+
+
+# ---------------------------------------------------------------------------------------
+# Signals and the outcome file
+# ---------------------------------------------------------------------------------------
+
+class StopFlag:
+    """SIGTERM (a scheduler's preemption) or Ctrl-C asks the loop to finish its step, save
+    and exit 0, and says so at once; a second Ctrl-C interrupts at once (KeyboardInterrupt,
+    which cli.user_errors makes the line QUIT and exit status 130). The old handlers come
+    back on exit. (A launcher's workers start sessions of their own, so a Ctrl-C in the
+    terminal reaches only the launcher, which passes one signal on to each worker: rank 0
+    alone acknowledges it.)"""
+
+    ACKNOWLEDGEMENT = b"stopping after this step (Ctrl-C again to quit now)\n"
+    QUIT = "interrupted: the step in flight was not saved; run the same command to resume"
+
+    def __init__(self):
+        self.requested, self.previous = False, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # signals need it
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self.previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, frame):
+        # os.write, not print: the handler may run while the main thread is inside a write
+        # to sys.stderr (the progress bar's), and a buffered stream refuses reentrant calls.
+        if not self.requested and is_rank0():
+            os.write(2, self.ACKNOWLEDGEMENT)
+        self.requested = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def tensor(self, device) -> torch.Tensor:
+        return torch.tensor([float(self.requested)], device=device)
+
+
+# Under `accelerate launch`, torch's elastic agent turns a SIGTERM it receives (SLURM signals
+# every process of a job step, the launcher too) into a non-zero exit, even when every rank
+# saved and exited 0 (torch/distributed/launcher/api.py). So a script cannot tell a clean
+# stop from a crash by the exit status. Where this variable names a file, the first process
+# of each node writes "stopped STEP" (a signal stopped the run; resuming continues it) or
+# "finished STEP" there as it ends; slurm_fsdp2.sh reads it and requeues a stopped job.
+OUTCOME_FILE = "STACKLM_OUTCOME"
+
+
+def record_outcome(outcome: str, step: int, is_local_main: bool):
+    path = os.environ.get(OUTCOME_FILE)
+    if path and is_local_main:
+        tmp = Path(f"{path}.tmp")
+        tmp.write_text(f"{outcome} {step}\n")
+        tmp.rename(path)  # whole or absent, never half-written

@@ -1,0 +1,174 @@
+"""Resume: which checkpoint a run continues, and whether it may.
+
+`candidates` lists the checkpoints a run may continue, newest first (its own, or where a
+branched run begins); `check_unfinished` stops a run that would train nothing; `resume`
+continues the first one that reads, setting damaged ones aside, and `restore` reads it into
+a run. What a resume may change is decided here too (`check_resume`): the model's shape,
+the data order and the matrix optimizer are fixed, a data stage that has begun cannot
+change, and every other knob given on the command line wins, said aloud.
+
+Imports from stacklm: checkpoint (a checkpoint's files), cli (NothingToDo, for a run that
+would train nothing) and config (the differences between two configs).
+"""
+
+from pathlib import Path
+
+import torch
+
+import checkpoint
+from checkpoint import DamagedCheckpointError, UnsafeCheckpointError, read_train_state
+from cli import NothingToDo
+from config import TrainConfig, differences
+
+def candidates(cfg: TrainConfig) -> list[Path]:
+    """The checkpoints this run may continue, in the order to try them, by cfg.resume:
+    - "auto": every complete checkpoint in out_dir, newest first (`resume` falls back to
+      older ones if one is damaged);
+    - a path in out_dir's own ckpt folder: that checkpoint, as named (how to go back to one);
+    - a path elsewhere: where a branched run (an anneal from the stable run's checkpoint)
+      begins, while out_dir holds no checkpoint of its own; once it does, its own, as for
+      "auto", so that the same command continues the branch rather than begin it again
+      (torchtitan's checkpoint.initial_load_path);
+    - "none": a fresh start, refused where it would overwrite checkpoints.
+    Checked before anything is built: NothingToDo where the first is already at or past
+    stop_at_step (the run would train nothing, and a resume there would only evaluate)."""
+    out_dir, setting = Path(cfg.out_dir), cfg.resume
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"out_dir={out_dir} is a file, not a directory; choose another --out_dir")
+    own = checkpoint.complete_checkpoints(out_dir)[::-1]
+    if setting == "none" and own:
+        raise ValueError(f"resume=none: out_dir={out_dir} already holds checkpoints (newest "
+                         f"{own[0]}) that a fresh run would overwrite; continue them with "
+                         f"--resume=auto, or start afresh in a new --out_dir")
+    if setting == "none":
+        return []
+    found = own if setting == "auto" or own and not is_inside(setting, checkpoint.ckpt_root(
+        out_dir)) else [checkpoint.find(out_dir, setting)]
+    check_unfinished(found, cfg.stop_at_step, setting)
+    return found
+
+
+def is_inside(path, folder: Path) -> bool:
+    return Path(path).resolve().is_relative_to(folder.resolve())
+
+
+def check_unfinished(found: list[Path], stop_at_step: int, setting: str):
+    """NothingToDo where the checkpoint a run would continue (the first found) is already at
+    or past stop_at_step, read from its train_state.json."""
+    try:
+        step = read_train_state(found[0])["step"] if found else None
+    except DamagedCheckpointError:
+        return  # `resume` sets it aside and continues an older one
+    if step is not None and step >= stop_at_step:
+        fix = "a later --stop_at_step to continue it" if setting != "auto" else \
+            "a new --out_dir to train afresh, or a later --stop_at_step to continue it"
+        raise NothingToDo(f"nothing to train: {found[0]} is at step {step:,}, and this "
+                          f"run stops at stop_at_step={stop_at_step:,}; pass {fix}")
+
+
+def resume(run, found: list[Path]) -> str | None:
+    """Continue `run` from the first checkpoint of `found` (`candidates`) that reads, and
+    return its absolute path (None: a fresh start). A damaged one is renamed .damaged, kept
+    for a person to look at, and the one before it is tried; a file unsafe to read stops
+    the run, and so does a damaged checkpoint the user named (--resume). A branched run
+    that continues its own checkpoint rather than the one --resume names says so on the
+    line that says where it resumed. Every rank must take the same decision, and a damaged
+    shard or RNG file may show on one rank only, so each rank's verdict is summed over the
+    ranks first."""
+    accelerator, setting = run.accelerator, run.cfg.resume
+    for path in found:
+        error = None
+        try:
+            restore(run, path)
+        except (DamagedCheckpointError, UnsafeCheckpointError) as e:
+            error = e
+        unsafe = isinstance(error, UnsafeCheckpointError)
+        votes = torch.tensor([error is not None and not unsafe, unsafe], dtype=torch.float32,
+                             device=accelerator.device)
+        n_damaged, n_unsafe = accelerator.reduce(votes, "sum").tolist()
+        if n_unsafe:
+            raise error if unsafe else UnsafeCheckpointError(
+                f"{path}: another rank refused a file of it as unsafe (see its error)")
+        named = setting != "auto" and Path(path).resolve() == Path(setting).resolve()
+        if not n_damaged:
+            began = "" if setting == "auto" or named else \
+                f" (its own; --resume={setting} is where this run began: to begin there " \
+                f"again, use a new --out_dir)"
+            accelerator.print(f"resumed from {path} at step {run.step:,}{began}")
+            return str(Path(path).resolve())
+        reason = error or f"{path}: a file another rank reads is damaged"
+        if named:
+            raise ValueError(f"resume={setting} cannot be read: {reason}")
+        accelerator.wait_for_everyone()  # every rank is done reading it
+        if accelerator.is_main_process:
+            kept = checkpoint.set_aside(path, "damaged")
+            print(f"warning: skipping damaged checkpoint {reason}; kept as {kept}")
+        accelerator.wait_for_everyone()
+    if found:
+        raise ValueError(f"no checkpoint in {checkpoint.ckpt_root(run.cfg.out_dir)} can be read "
+                         f"(see the warnings above; each is kept as .damaged); --resume=none "
+                         f"starts afresh")
+    return None
+
+
+def restore(run, path: Path):
+    """Weights, optimizers, RNGs and the run's counters and loader cursor from checkpoint
+    `path`, on any rank count (DCP reshards; the cursor counts global windows). Knobs given
+    now win, except those that cannot change; data stages may change only where they have
+    not begun."""
+    state = read_train_state(path)
+    lines, run.start.resume_changes = check_resume(run.cfg, run.stages, state)
+    run.accelerator.print("\n".join(lines), end="\n" if lines else "")
+    run.load_state_dict(state)  # the loader refuses changed sources: before any I/O
+    checkpoint.load(run.accelerator, run.accelerator.unwrap_model(run.model),
+                    list(run.optimizers.named.values()), path)
+
+
+# What a resume may not change: the model's shape (the weights would not fit), the order the
+# data is read in (the loader's cursor counts windows of this seq_len and this seed's
+# shuffle), and which optimizer holds the matrices (its state is in the checkpoint). The
+# data itself may change only in stages not yet begun (check_stages). Every other knob
+# given on a resume's command line takes effect.
+FIXED_ON_RESUME = ("model.", "seq_len", "seed", "matrix_optimizer")
+
+
+def resume_changes(cfg: TrainConfig, saved: dict) -> list[tuple[str, object, object]]:
+    """(knob, checkpoint's value, this run's value) for each knob that differs from the
+    checkpoint's config `saved`; a ValueError naming every fixed knob that differs."""
+    changed = [(k, old, new) for k, old, new in differences(cfg, saved) if k != "resume"]
+    fixed = [f"{k} {old!r} → {new!r}" for k, old, new in changed if k.startswith(FIXED_ON_RESUME)]
+    if fixed:
+        raise ValueError(f"resume: {', '.join(fixed)} cannot change on a resume (the weights, "
+                         f"the data order and the optimizer state are the checkpoint's); "
+                         f"resume with the checkpoint's values or start a fresh --out_dir")
+    return changed
+
+
+def check_resume(cfg: TrainConfig, stages: list, state: dict) -> tuple[list[str], list]:
+    """A resume of checkpoint state `state` (its train_state.json) by a run of `cfg` reading
+    `stages`: the lines to print (stages added or edited, knobs changed) and the changed
+    knobs, (knob, checkpoint's value, this run's value). Refuses what cannot change."""
+    lines = check_stages(state["stages"], stages, state["step"])
+    changes = resume_changes(cfg, state["config"])
+    return lines + [f"resume: {name} {old} → {new}" for name, old, new in changes], changes
+
+
+def check_stages(saved: list, stages: list, step: int) -> list[str]:
+    """A resume at optimizer step `step` has begun every saved stage that starts before it:
+    those must be as they were (refused otherwise, naming the stage and each change). A
+    stage from `step` on has not been read yet: it may be added or edited; returns a line
+    for each such change, for the run to print."""
+    def text(stage):
+        return ",".join(f"{d}:{w:g}" for d, w in stage[1])
+    saved = {start: tuple(map(tuple, sources)) for start, sources in saved}
+    ours = {start: sources for start, sources in stages}
+    begun = [s for s in sorted(set(saved) | set(ours)) if s < step]
+    changed = [f"the stage from step {s:,}: {text((s, saved[s])) if s in saved else 'none'} → "
+               f"{text((s, ours[s])) if s in ours else 'none'}"
+               for s in begun if saved.get(s) != ours.get(s)]
+    if changed:
+        raise ValueError(f"resume at step {step:,}: {'; '.join(changed)}: a stage that has begun "
+                         f"cannot change (its windows are already trained on); change only "
+                         f"stages from step {step:,} on, or start a fresh --out_dir")
+    return [f"resume: data stage from step {s:,} {'changed' if s in saved else 'added'}: "
+            f"{text((s, ours[s]))}" for s in sorted(ours) if s >= step and saved.get(s) != ours[s]]
