@@ -100,7 +100,9 @@ class StackConfig:
 def tiny_model() -> StackConfig:
     """About 4M parameters: trains on a laptop CPU in minutes (vocab of the 4k tokenizer)."""
     return StackConfig(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2,
-                       intermediate=704, max_seq_len=256, ce_chunk_size=1024)
+                       intermediate=704, max_seq_len=256,
+                       # the plain head: its logits are 16 × 256 × 4,096 fp32, 64 MiB
+                       ce_chunk_size=0)
 
 
 @dataclass
@@ -252,6 +254,10 @@ class TrainConfig:
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        if self.loss_head_dtype == "bf16" and not self.model.ce_chunk_size:
+            raise ValueError("loss_head_dtype=bf16 sets the chunked loss head's matmul inputs, "
+                             "and model.ce_chunk_size=0 runs the plain head; set "
+                             "--model.ce_chunk_size (e.g. 4096) with it, or drop it")
         self.recompute_every  # raises if activation_recompute is malformed
         self.stages(None)  # raises if a mixture or a stage is malformed
         check_schedule(self)  # raises if the schedule cannot be laid out, or stops mid-decay

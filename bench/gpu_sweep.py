@@ -157,11 +157,12 @@ def parse_args(argv):
 
 def base_config(args) -> tuple[config.TrainConfig, int, int]:
     """Stack-100M as the reference run trains it, or (dry run) the tiny model at a shape
-    whose micro-batches are 32 and 16 sequences as on the GPU, on the CPU."""
+    whose micro-batches are 32 and 16 sequences as on the GPU, on the CPU, with the chunked
+    loss head Stack-100M runs (in chunks of 256 of a micro-batch's 512 rows)."""
     if args.dry_run:
         cfg = config.apply_overrides(config.tiny(), {
             "seq_len": 16, "micro_batch_size": 32, "global_batch_tokens": 1024,
-            "mixed_precision": "no", "compile_model": "false"})
+            "mixed_precision": "no", "compile_model": "false", "model.ce_chunk_size": 256})
         steps, warmup = args.steps or 1, 1 if args.warmup is None else args.warmup
     else:
         cfg = config.stack100m()
