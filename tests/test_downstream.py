@@ -109,6 +109,31 @@ def test_in_loop_scores_equal_a_transformers_scorer_item_by_item(small_data_dir,
             assert final[f"{metric}/{task.name}"] == hits[:, j].mean()
 
 
+def test_the_last_step_is_scored_when_it_falls_between_scorings(small_data_dir, tmp_path):
+    """README: downstream_every is the steps between scorings, "and always the last step".
+    Evaluations every 2 steps, scorings every 4, a stop at step 6: the log scores steps 0,
+    4 and 6, not 2; step 6's accuracies are those of step 6's own weights (the scorer run
+    here on its checkpoint), and the report's finals quote step 6, not step 4's figures."""
+    path = write_jsonl(tmp_path / "mine.jsonl", GENERIC)
+    cfg = micro_config(small_data_dir, str(tmp_path / "run"), stop_at_step=6, eval_every=2,
+                       downstream=f"mine:{path}", downstream_every=4)
+    train.main(cfg)
+    evals = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text()
+                            .splitlines()) if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 2, 4, 6]
+    assert [r["step"] for r in evals if "acc/mine" in r] == [0, 4, 6]
+    model = Transformer(cfg.model).eval()
+    model.load_state_dict(checkpoint_weights(cfg, 6))
+    [task] = downstream.load_tasks(cfg, str(Path(small_data_dir) / "tokenizer.json"), 1)
+    with torch.no_grad():
+        lls = downstream.loglikelihoods(task, model, torch.device("cpu"), cfg.micro_batch_size,
+                                        0, 1).tolist()
+    hits = downstream.predictions(task.items, lls) == np.array([[i.gold] for i in task.items])
+    assert [evals[-1][f"{m}/mine"] for m in ("acc", "acc_norm", "acc_bytes")] == \
+        hits.mean(0).tolist()
+    assert report.results(report.read_run(tmp_path / "run"))["tasks"]["mine"]["step"] == 6
+
+
 def test_each_rank_scores_its_share_and_every_sequence_counts_once(small_data_dir, tmp_path):
     """The ranks' vectors, summed, equal one rank's, at 2 and 3 ranks; every rank runs the
     same number of forwards (FSDP2 needs all of them in each)."""
