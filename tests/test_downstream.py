@@ -303,6 +303,38 @@ def test_the_report_draws_accuracy_against_chance_and_compares_the_finals(tmp_pa
     assert "| wall time | t acc_norm / acc |" in finals and finals.count("0.4000 / 0.3000 |") == 2
 
 
+def test_runs_compared_draw_the_accuracy_panel_when_only_a_later_run_scored(tmp_path,
+                                                                           monkeypatch):
+    """`python report.py A B --out C` where A scored no task and B scored t: the figure
+    still has the accuracy panel, holding B's curves (its logged numbers) and t's chance;
+    the finals have a t column, n/a for A."""
+    from test_report import start_record, train_record, write_log
+    plain = [{"kind": "eval", "step": s, "tokens_seen": s * 100, "val_loss": 4.0,
+              "val_bpb": 1.8} for s in (0, 10)]
+    scored = [{**r, "acc/t": a, "acc_norm/t": n, "chance/t": 0.25}
+              for r, a, n in zip(plain, (0.2, 0.3), (0.25, 0.4))]
+    end = {"kind": "end", "step": 10, "outcome": "finished", "error": None, "elapsed_s": 1.0}
+    for name, evals in (("a", plain), ("b", scored)):
+        write_log(tmp_path / name, [start_record(stop_at_step=10), train_record(10, 4.0),
+                                    *evals, end])
+    drawn, draw = [], report.draw
+    monkeypatch.setattr(report, "draw", lambda *a, **k: drawn.append(draw(*a, **k)) or drawn[-1])
+    report.cli([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "both"),
+                "--quiet"])
+    [panel] = [ax for ax in drawn[0].axes if ax.get_title(loc="left") == report.ACCURACY]
+    lines = {line.get_gid(): line for line in panel.lines
+             if not line.get_gid().startswith("boundary:")}
+    assert lines.keys() == {"acc_norm/t", "acc/t", "chance/t"}
+    assert list(lines["acc_norm/t"].get_ydata()) == [0.25, 0.4]
+    assert list(lines["acc/t"].get_ydata()) == [0.2, 0.3]
+    assert lines["acc_norm/t"].get_label() == "b t acc_norm"
+    assert list(lines["chance/t"].get_ydata()) == [0.25, 0.25]
+    finals = (tmp_path / "both" / "report.md").read_text()
+    assert "| wall time | t acc_norm / acc |" in finals
+    assert re.search(r"^\| a \|.* \| n/a \|$", finals, re.M)
+    assert re.search(r"^\| b \|.* \| 0\.4000 / 0\.3000 \|$", finals, re.M)
+
+
 def test_the_picks_follow_lm_eval_process_results():
     """An explicit table. lls -2 and -5 for choices "é" and "abc": acc takes the larger
     sum (0); acc_norm divides by characters, 1 and 3 (-2 < -1.67: choice 1), not by the
