@@ -7,6 +7,8 @@ shares against a one-rank scoring; and each bad input refused in one line."""
 import bisect
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +24,7 @@ import report
 import train
 from conftest import micro_config
 from model import Transformer
-from test_train import checkpoint_weights
+from test_train import REPO, checkpoint_weights
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -248,6 +250,25 @@ def test_a_bad_task_file_is_refused_in_setup_in_one_line(name, lines, message, s
 def test_bad_downstream_knobs_are_refused(overrides, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         micro_config("data", str(tmp_path), **overrides)
+
+
+def test_readmes_piqa_merge_runs_as_written_and_gives_piqa_items(tmp_path):
+    """README's Python lines that merge PIQA's valid-labels.lst into valid.jsonl, run as
+    written in a fresh folder holding the two downloaded files: the file they write reads as
+    piqa items, each gold the label of its line."""
+    snippet = next(block for block in re.findall(r"```python\n(.*?)```",
+                                                 (REPO / "README.md").read_text(), re.S)
+                   if "valid-labels.lst" in block)
+    goals = [{"goal": f"goal {i}", "sol1": f"first {i}", "sol2": f"second {i}"} for i in range(3)]
+    write_jsonl(tmp_path / "valid.jsonl", goals)
+    (tmp_path / "valid-labels.lst").write_text("1\n0\n1\n")
+    done = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    items = downstream.read_items("piqa", str(tmp_path / "data/tasks/piqa_valid.jsonl"))
+    assert [(i.context, i.choices, i.gold) for i in items] == [
+        (f"Question: goal {i}\nAnswer:", [f"first {i}", f"second {i}"], gold)
+        for i, gold in enumerate((1, 0, 1))]
 
 
 def test_downstream_every_none_scores_every_evaluation_and_always_the_last_step(tmp_path):
