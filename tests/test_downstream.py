@@ -274,8 +274,9 @@ def test_readmes_piqa_merge_runs_as_written_and_gives_piqa_items(tmp_path):
 def test_downstream_every_none_scores_every_evaluation_and_always_the_last_step(tmp_path):
     """README's knob: "downstream_every (steps between scorings, a multiple of eval_every;
     none: every evaluation, and always the last step)", at each evaluation of a run that
-    evaluates every 2 steps and stops at 7; no task, no scoring."""
-    evaluated = [0, 2, 4, 6, 7]
+    evaluates every 2 steps, stops at 7, and was resumed at step 5 with a new source (which
+    it evaluates at once); no task, no scoring."""
+    evaluated = [0, 2, 4, 5, 6, 7]
     for every, scored in ((None, evaluated), (4, [0, 4, 7]), (6, [0, 6, 7])):
         cfg = micro_config("data", str(tmp_path), downstream="t:t.jsonl", eval_every=2,
                            downstream_every=every, stop_at_step=7, total_steps=7)
