@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,6 @@ import train
 from conftest import copy_of, micro_config
 from test_data_at_scale import single_window_evaluation
 from test_downstream import GENERIC, write_jsonl
-from test_errors import fake_accelerator
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 3
@@ -46,19 +46,17 @@ def boundary(windows: int, micro_batch_size: int) -> tuple[int, int]:
 
 
 def too_big_for_a_share(data_dir, out_dir):
-    """A plan whose memory estimate is about half the machine's RAM (its vocabulary set to
-    fit): within the RAM of one process, past the third of it each of 3 ranks has."""
+    """A plan whose memory estimate is half the machine's RAM (its vocabulary set to fit:
+    the estimate is linear in it): within the RAM of one process, past the third of it
+    each of 3 ranks has."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
     def plan(vocab: int):
         cfg = micro_config(str(data_dir), str(out_dir), global_batch_tokens=64 * 4 * WORLD,
                            **{"model.vocab_size": vocab})
         return cfg, log.memory_estimate(cfg, *log.planned_params(cfg), WORLD, False, False)["total"]
-    low, high = 512, 2**40
-    while high - low > 1:
-        low, high = (low, (low + high) // 2) if plan((low + high) // 2)[1] >= ram / 2 \
-            else ((low + high) // 2, high)
-    cfg, need = plan(high)
+    (_, small), (_, large) = plan(512), plan(512 + 2**20)
+    cfg, need = plan(512 + round((ram / 2 - small) / (large - small) * 2**20))
     assert ram / WORLD < need < 0.9 * ram
     return cfg, ram
 
@@ -98,12 +96,13 @@ def test_every_val_window_counts_once_wherever_the_split_ends_among_the_ranks(ra
     with fewer windows than ranks, in all of val (the rows past its end would wrap around
     to window 0) and in part of it (the rows past the end are real windows)."""
     plan, wrote = ranks
-    where = [boundary(cfg.eval_tokens // T if cfg.eval_tokens else 84, cfg.micro_batch_size)
-             for cfg in plan["evaluations"]]
+    where = [boundary(windows or 84, b) for b, windows in EVALUATIONS]
     assert {rank for rank, row in where if row} == set(range(WORLD))  # inside each rank
     assert any(row == 0 and 0 < rank < WORLD for rank, row in where)  # at a rank's first row
-    for cfg, got in zip(plan["evaluations"], wrote[0]["evaluations"], strict=True):
+    for (_, windows), cfg, got in zip(EVALUATIONS, plan["evaluations"],
+                                      wrote[0]["evaluations"], strict=True):
         want = single_window_evaluation(cfg)
+        assert want["windows"] == (windows or 84)
         assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-6), cfg
         assert got["val_bpb"] == pytest.approx(want["val_bpb"], rel=1e-6), cfg
     assert all(w["evaluations"] == wrote[0]["evaluations"] for w in wrote)
@@ -155,7 +154,10 @@ def test_the_memory_check_divides_the_machines_ram_among_its_ranks(ranks, monkey
     plan, wrote = ranks
     cfg, ram = plan["too_big"]
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert log.check_memory(cfg, fake_accelerator("cpu"), force=False) == []
+    one_process = types.SimpleNamespace(num_processes=1, device=torch.device("cpu"),
+                                        distributed_type=types.SimpleNamespace(value="NO"),
+                                        mixed_precision="no")  # what check_memory reads
+    assert log.check_memory(cfg, one_process, force=False) == []
     for w in wrote:
         assert f"more than this machine's {ram:.1f} GiB of RAM, shared by {WORLD} ranks: it " \
                f"would run out of memory" in w["refused"] and "--force" in w["refused"]
