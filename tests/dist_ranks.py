@@ -10,9 +10,8 @@ PLAN.json holds TrainConfigs (as dataclasses.asdict gives them), each taken in t
                setup stops at next (its data_dir does not exist).
   run          train.main on a data_dir no process has checked (no checked.json), with a
                downstream task: the shard files this rank hashed (data.scan_shard, slowed
-               down to a real corpus's pace), and of
-               the first scoring, this rank's vector of log-likelihoods before the ranks'
-               sum and the number of forwards it ran.
+               down to a real corpus's pace), and of the first scoring, this rank's vector
+               of log-likelihoods before the ranks' sum and the number of forwards it ran.
   evaluations  train.val_loss of each, on a model seeded with 0.
 
 Every rank writes OUT/rank<r>.json.
