@@ -109,10 +109,12 @@ def describe(tasks: list[Task]) -> dict[str, dict]:
 
 
 def due(cfg, step: int) -> bool:
-    """Scoring runs at an evaluation every downstream_every steps (every one when none), and
-    at the last step, so the final figures are the run's own."""
-    every = cfg.downstream_every or cfg.eval_every
-    return bool(cfg.downstream) and (step % every == 0 or step == cfg.stop_at_step)
+    """Whether the evaluation at `step` scores the tasks: every evaluation when
+    downstream_every is none (a resume's evaluation of a new source too), else those every
+    downstream_every steps, and the last step's, so the final figures are the run's own."""
+    every = cfg.downstream_every
+    return bool(cfg.downstream) and (every is None or step % every == 0
+                                     or step == cfg.stop_at_step)
 
 
 def corpora(cfg) -> list[str]:

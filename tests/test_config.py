@@ -21,6 +21,20 @@ def test_stack100m_preset_is_the_reference_run():
     assert (cfg.ckpt_every, cfg.keep_last_ckpts, cfg.log_every) == (1_000, 5, 10)
 
 
+def test_what_each_preset_evaluates_and_scores_is_what_readme_says():
+    """README: "`tiny` scores a built-in task by default" ("the first 100 at each
+    evaluation"), `downstream` empty is "none, the stack100m default"; "`tiny` evaluates all
+    of it (eval_tokens none); `stack100m` reads 4,194,304 tokens of each source's"; lm-eval
+    truncates to model.max_seq_len, "the same as seq_len in both presets"."""
+    tiny, reference = config.tiny(), config.stack100m()
+    assert [name for name, _ in config.parse_downstream(tiny.downstream)] == ["nextline"]
+    assert (tiny.downstream_items, tiny.downstream_every) == (100, None)
+    assert reference.downstream == ""
+    assert (tiny.eval_tokens, reference.eval_tokens) == (None, 4_194_304)
+    for cfg in (tiny, reference):
+        assert cfg.model.max_seq_len == cfg.seq_len
+
+
 def test_batch_arithmetic_banner():
     cfg = config.stack100m()
     assert cfg.batch_summary(1) == \

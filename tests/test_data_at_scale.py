@@ -1,14 +1,10 @@
 """Real corpora at scale, from train.py's side: evaluation that never counts a window twice
-at any rank count, a shard check paid once rather than by every rank, the epochs a run
-plans (warned past 4, refused past --max_epochs), and the epoch lines of the log."""
+(on one process here; on 3 ranks, and the shard check rank 0 pays for all, in
+tests/test_ranks.py), the epochs a run plans (warned past 4, refused past --max_epochs), and
+the epoch lines of the log."""
 
 import dataclasses
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,9 +14,6 @@ import data
 import train
 from conftest import micro_config
 from model import Transformer
-
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def single_window_evaluation(cfg, model=None, data_dir=None) -> dict:
     """The oracle: every val window once, one at a time (batch of 1, one process), summed by
@@ -32,7 +25,8 @@ def single_window_evaluation(cfg, model=None, data_dir=None) -> dict:
     model, data_dir = model.eval(), data_dir or cfg.data_dir
     token_bytes = data.token_bytes(data_dir)
     loader = data.PackedShardLoader(data_dir, "val", cfg.seq_len, 1)
-    n_windows = min(cfg.eval_tokens // cfg.seq_len, loader.windows_per_epoch)
+    n_windows = loader.windows_per_epoch if cfg.eval_tokens is None else \
+        min(cfg.eval_tokens // cfg.seq_len, loader.windows_per_epoch)
     ce = tokens = n_bytes = 0.0
     with torch.no_grad():
         for _ in range(n_windows):
@@ -44,43 +38,34 @@ def single_window_evaluation(cfg, model=None, data_dir=None) -> dict:
             "windows": n_windows}
 
 
-def evaluate_on_ranks(cfg, world: int, tmp_path) -> dict:
-    config_json, out_json = tmp_path / f"cfg{world}.json", tmp_path / f"eval{world}.json"
-    config_json.write_text(json.dumps(dataclasses.asdict(cfg)))
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-               "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
-               str(ROOT / "tests" / "dist_eval.py"), str(config_json), str(out_json)]
-    done = subprocess.run(command, cwd=ROOT, env=os.environ | {"OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads(out_json.read_text())
+# (micro-batch, windows evaluated; None: all 84 of `prepared`'s at seq_len 16): where the
+# last window falls in its micro-batch, and what lies past it.
+ONE_PROCESS = [
+    (4, 7),  # mid-batch: the row past it is a real window of the split (eval_tokens)
+    (4, 9),  # a last micro-batch of one window
+    (5, None),  # mid-batch in all of val: the rows past it would wrap around to window 0
+    (32, None),  # the same, the split not even three micro-batches
+    (4, None),  # a whole number of micro-batches: no padding
+    (1, 7),
+]
 
 
-@pytest.mark.distributed
-def test_evaluation_on_three_ranks_counts_every_window_once(prepared, tmp_path):
-    """A val split smaller than one global micro-batch (3 ranks × 32 rows): reading a whole
-    global batch would wrap around and count windows twice."""
+@pytest.mark.parametrize("micro_batch_size, windows", ONE_PROCESS)
+def test_one_process_evaluates_every_window_once(micro_batch_size, windows, prepared,
+                                                 tmp_path):
+    """train.val_loss on one process against the oracle; tests/test_ranks.py does the same
+    on 3 ranks."""
     cfg = micro_config(str(prepared), str(tmp_path / "out"), seq_len=16,
-                       micro_batch_size=32, global_batch_tokens=1536, eval_tokens=10**6)
+                       micro_batch_size=micro_batch_size,
+                       global_batch_tokens=16 * micro_batch_size,
+                       eval_tokens=None if windows is None else 16 * windows)
     want = single_window_evaluation(cfg)
-    assert want["windows"] < cfg.micro_batch_size * 3  # smaller than one global micro-batch
-    assert want["windows"] % cfg.micro_batch_size != 0  # a rank holds padding rows
-    for world in (3, 1):
-        got = evaluate_on_ranks(cfg, world, tmp_path)
-        assert got["world"] == world
-        assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-6)
-        assert got["val_bpb"] == pytest.approx(want["val_bpb"], rel=1e-6)
-
-
-def test_eval_tokens_below_the_split_evaluate_that_many_windows(prepared, tmp_path):
-    cfg = micro_config(str(prepared), str(tmp_path / "out"), seq_len=16,
-                       micro_batch_size=4, global_batch_tokens=64, eval_tokens=16 * 7)
-    want = single_window_evaluation(cfg)
-    assert want["windows"] == 7  # not a multiple of the micro-batch: one padded row
+    assert want["windows"] == (windows or 84)
     torch.manual_seed(0)
     got = train.val_loss(cfg, train.Accelerator(cpu=True), Transformer(cfg.model),
                          data.token_bytes(cfg.data_dir), cfg.data_dir)
     assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-6)
+    assert got["val_bpb"] == pytest.approx(want["val_bpb"], rel=1e-6)
 
 
 def test_a_plan_past_four_epochs_warns_once_and_max_epochs_refuses(small_data_dir, tmp_path):

@@ -4,23 +4,25 @@ lm-evaluation-harness 0.4.13's rules (lm-eval itself downloads its tasks, so CI 
 it); the readers against items worked out by hand from lm-eval's task files; the ranks'
 shares against a one-rank scoring; and each bad input refused in one line."""
 
+import bisect
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer
+from matplotlib.colors import to_rgba
 
-import config
 import downstream
 import export
 import report
 import train
 from conftest import micro_config
 from model import Transformer
-from test_train import checkpoint_weights
+from test_train import REPO, checkpoint_weights
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -109,6 +111,48 @@ def test_in_loop_scores_equal_a_transformers_scorer_item_by_item(small_data_dir,
             assert final[f"{metric}/{task.name}"] == hits[:, j].mean()
 
 
+def test_the_last_step_is_scored_when_it_falls_between_scorings(small_data_dir, tmp_path,
+                                                                capsys):
+    """README: downstream_every is the steps between scorings, "and always the last step".
+    Evaluations every 2 steps, scorings every 4, a stop at step 6: the log scores steps 0,
+    4 and 6, not 2; step 6's accuracies are those of step 6's own weights (the scorer run
+    here on its checkpoint), each eval line prints its record's numbers, and the report's
+    finals quote step 6, not step 4's figures. The banner's cost of a scoring is the forwards the scorer runs
+    (counted here) × micro-batch × seq_len, and its share of the training between scorings
+    a third of that (a forward is 2 of a trained token's 6 FLOPs) over 4 steps × 512."""
+    path = write_jsonl(tmp_path / "mine.jsonl", GENERIC)
+    cfg = micro_config(small_data_dir, str(tmp_path / "run"), stop_at_step=6, eval_every=2,
+                       downstream=f"mine:{path}", downstream_every=4)
+    train.main(cfg)
+    printed = capsys.readouterr().out
+    evals = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text()
+                            .splitlines()) if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 2, 4, 6]
+    assert [r["step"] for r in evals if "acc/mine" in r] == [0, 4, 6]
+    model = Transformer(cfg.model).eval()
+    model.load_state_dict(checkpoint_weights(cfg, 6))
+    [task] = downstream.load_tasks(cfg, str(Path(small_data_dir) / "tokenizer.json"), 1)
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    with torch.no_grad():
+        lls = downstream.loglikelihoods(task, model, torch.device("cpu"), cfg.micro_batch_size,
+                                        0, 1).tolist()
+    hits = downstream.predictions(task.items, lls) == np.array([[i.gold] for i in task.items])
+    last = evals[-1]
+    assert [last[f"{m}/mine"] for m in ("acc", "acc_norm", "acc_bytes")] == hits.mean(0).tolist()
+    for r in evals:  # each eval line says what its record holds, a scoring's at its end
+        line = f"eval {r['step']:>6,} | val_loss {r['val_loss']:.4f} | val_bpb {r['val_bpb']:.4f}"
+        if "acc/mine" in r:
+            line += f" | mine acc {r['acc/mine']:.3f} acc_norm {r['acc_norm/mine']:.3f} " \
+                    f"(chance 0.339)"
+        assert f"{line}\n" in printed
+    assert report.results(report.read_run(tmp_path / "run"))["tasks"]["mine"]["step"] == 6
+    tokens = len(forwards) * cfg.micro_batch_size * cfg.seq_len
+    assert f"downstream every 4 steps: mine 6 items (chance 0.339); {tokens:,} forward tokens " \
+           f"per scoring, ~{tokens / 3 / (4 * 512):.1%} of the training compute between " \
+           f"scorings\n" in printed
+
+
 def test_each_rank_scores_its_share_and_every_sequence_counts_once(small_data_dir, tmp_path):
     """The ranks' vectors, summed, equal one rank's, at 2 and 3 ranks; every rank runs the
     same number of forwards (FSDP2 needs all of them in each)."""
@@ -139,7 +183,8 @@ def test_each_rank_scores_its_share_and_every_sequence_counts_once(small_data_di
 def test_each_format_reads_items_as_lm_eval_builds_them(tmp_path):
     """Expected items worked out by hand from lm-eval 0.4.13's hellaswag utils.py
     (preprocess: " [title]" -> ". ", other [tags] removed, double spaces single, ctx_b
-    capitalised), arc_easy.yaml (both of ARC's layouts) and piqa.yaml."""
+    capitalised), arc_easy.yaml (both of ARC's layouts; arc_challenge's yaml includes it)
+    and piqa.yaml."""
     hellaswag = {"activity_label": "Making a cake", "ctx_a": "A woman  mixes flour. [header]",
                  "ctx_b": "then she [title] bakes", "endings": [" It rises. [step]", "B"],
                  "label": 1, "ind": 4}
@@ -154,10 +199,11 @@ def test_each_format_reads_items_as_lm_eval_builds_them(tmp_path):
                        ["It rises. ", "B"], 1)],  # the space before a removed tag stays
         "arc_easy": [("Question: Which is a gas?\nAnswer:", ["ice", "steam"], 1),
                      ("Question: Which is a gas?\nAnswer:", ["ice", "steam", "rock"], 1)],
+        "arc_challenge": [("Question: Which is a gas?\nAnswer:", ["ice", "steam", "rock"], 1)],
         "piqa": [("Question: Boil eggs\nAnswer:", ["no water", "cold water"], 1)],
         "anything": [("2 + 2 =", ["3", "4"], 1)]}
-    docs = {"hellaswag": [hellaswag], "arc_easy": [arc_release, arc_rows], "piqa": [piqa],
-            "anything": [generic]}
+    docs = {"hellaswag": [hellaswag], "arc_easy": [arc_release, arc_rows],
+            "arc_challenge": [arc_rows], "piqa": [piqa], "anything": [generic]}
     for name, want in expected.items():
         path = write_jsonl(tmp_path / f"{name}.jsonl", docs[name])
         got = downstream.read_items(name, str(path))
@@ -202,6 +248,54 @@ def test_a_bad_task_file_is_refused_in_setup_in_one_line(name, lines, message, s
 def test_bad_downstream_knobs_are_refused(overrides, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         micro_config("data", str(tmp_path), **overrides)
+
+
+def test_readmes_piqa_merge_runs_as_written_and_gives_piqa_items(tmp_path):
+    """README's Python lines that merge PIQA's valid-labels.lst into valid.jsonl, run as
+    written in a fresh folder holding the two downloaded files: the file they write reads as
+    piqa items, each gold the label of its line."""
+    snippet = next(block for block in re.findall(r"```python\n(.*?)```",
+                                                 (REPO / "README.md").read_text(), re.S)
+                   if "valid-labels.lst" in block)
+    goals = [{"goal": f"goal {i}", "sol1": f"first {i}", "sol2": f"second {i}"} for i in range(3)]
+    write_jsonl(tmp_path / "valid.jsonl", goals)
+    (tmp_path / "valid-labels.lst").write_text("1\n0\n1\n")
+    done = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    items = downstream.read_items("piqa", str(tmp_path / "data/tasks/piqa_valid.jsonl"))
+    assert [(i.context, i.choices, i.gold) for i in items] == [
+        (f"Question: goal {i}\nAnswer:", [f"first {i}", f"second {i}"], gold)
+        for i, gold in enumerate((1, 0, 1))]
+
+
+def test_downstream_every_none_scores_every_evaluation_and_always_the_last_step(tmp_path):
+    """README's knob: "downstream_every (steps between scorings, a multiple of eval_every;
+    none: every evaluation, and always the last step)", at each evaluation of a run that
+    evaluates every 2 steps, stops at 7, and was resumed at step 5 with a new source (which
+    it evaluates at once); no task, no scoring."""
+    evaluated = [0, 2, 4, 5, 6, 7]
+    for every, scored in ((None, evaluated), (4, [0, 4, 7]), (6, [0, 6, 7])):
+        cfg = micro_config("data", str(tmp_path), downstream="t:t.jsonl", eval_every=2,
+                           downstream_every=every, stop_at_step=7, total_steps=7)
+        assert [s for s in evaluated if downstream.due(cfg, s)] == scored, every
+    assert not any(downstream.due(micro_config("data", str(tmp_path), stop_at_step=7,
+                                               total_steps=7), s)
+                   for s in evaluated)
+
+
+def test_downstream_items_scores_a_files_first_n(small_data_dir, tmp_path):
+    """downstream_items=N takes a file's first N items, as lm_eval --limit N takes the first
+    N documents; none takes them all."""
+    path = write_jsonl(tmp_path / "mine.jsonl", GENERIC)
+    tokenizer = str(Path(small_data_dir) / "tokenizer.json")
+    for n, want in ((2, GENERIC[:2]), (None, GENERIC)):
+        cfg = micro_config(small_data_dir, str(tmp_path), downstream=f"mine:{path}",
+                           downstream_items=n)
+        [task] = downstream.load_tasks(cfg, tokenizer, 1)
+        assert [(i.context, i.choices, i.gold) for i in task.items] == \
+            [(doc["context"], doc["choices"], doc["gold"]) for doc in want]
+        assert task.n_sequences == sum(len(doc["choices"]) for doc in want)
 
 
 def test_val_documents_are_read_back_from_every_kind_of_file_by_their_keys(tmp_path):
@@ -251,6 +345,34 @@ def test_the_next_line_items_are_fixed_and_ask_for_the_true_next_line(small_data
                    for text in texts)
 
 
+def test_a_next_line_items_context_and_distractors_are_as_readme_says(small_data_dir):
+    """README: "The context is the whole lines before it, up to 1,000 characters; the
+    choices are the true line and 3 of similar length from other val files." Each item's
+    document and line (its `where`) give the oracle: the context is whole lines ending
+    before the answer, under 1,000 characters, and one more line would reach 1,000 (or the
+    document's start); each distractor is a line of another val document, its length within
+    the 80 lengths nearest the answer's among all val lines (of 16 characters or more)."""
+    documents = [text.split("\n") for text in downstream.val_documents(small_data_dir)]
+    lengths = sorted(len(line) for lines in documents for line in lines
+                     if len(line.strip()) >= downstream.NEXTLINE_MIN_CHARS)
+    items = downstream.nextline_items(small_data_dir)
+    for item in items[:200]:
+        d, number = map(int, item.where.split(":"))
+        lines, answer = documents[d], item.choices[item.gold][1:]
+        assert answer == lines[number - 1]
+        start = next(k for k in range(number - 1) if "\n".join(lines[k:number - 1]) ==
+                     item.context)  # whole lines, the last one just before the answer
+        assert len(item.context) < 1000
+        assert start == 0 or len("\n".join(lines[start - 1:number - 1])) >= 1000
+        near = bisect.bisect_left(lengths, len(answer))
+        low, high = lengths[max(0, near - 40)], lengths[min(len(lengths) - 1, near + 39)]
+        for j, choice in enumerate(item.choices):
+            if j != item.gold:
+                assert any(choice[1:] in other for e, other in enumerate(documents) if e != d)
+                assert low <= len(choice) - 1 <= high, (len(answer), len(choice) - 1)
+    assert any(len(item.context) > 900 for item in items)  # the bound is reached
+
+
 def test_the_report_draws_accuracy_against_chance_and_compares_the_finals(tmp_path):
     """A hand-made log with two scorings of one task: the panel's lines hold the logged
     numbers and chance, the results table a row, and two runs compared a column."""
@@ -276,6 +398,39 @@ def test_the_report_draws_accuracy_against_chance_and_compares_the_finals(tmp_pa
     report.write([tmp_path / "a", tmp_path / "b"], tmp_path / "both")
     finals = (tmp_path / "both" / "report.md").read_text()
     assert "| wall time | t acc_norm / acc |" in finals and finals.count("0.4000 / 0.3000 |") == 2
+
+
+def test_runs_compared_draw_the_accuracy_panel_when_only_a_later_run_scored(tmp_path,
+                                                                           monkeypatch):
+    """`python report.py A B --out C` where A scored no task and B scored t: the figure
+    still has the accuracy panel, holding B's curves (its logged numbers) and t's chance,
+    in grey (it is the task's, not a run's); the finals have a t column, n/a for A."""
+    from test_report import start_record, train_record, write_log
+    plain = [{"kind": "eval", "step": s, "tokens_seen": s * 100, "val_loss": 4.0,
+              "val_bpb": 1.8} for s in (0, 10)]
+    scored = [{**r, "acc/t": a, "acc_norm/t": n, "chance/t": 0.25}
+              for r, a, n in zip(plain, (0.2, 0.3), (0.25, 0.4))]
+    end = {"kind": "end", "step": 10, "outcome": "finished", "error": None, "elapsed_s": 1.0}
+    for name, evals in (("a", plain), ("b", scored)):
+        write_log(tmp_path / name, [start_record(stop_at_step=10), train_record(10, 4.0),
+                                    *evals, end])
+    drawn, draw = [], report.draw
+    monkeypatch.setattr(report, "draw", lambda *a, **k: drawn.append(draw(*a, **k)) or drawn[-1])
+    report.cli([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "both"),
+                "--quiet"])
+    [panel] = [ax for ax in drawn[0].axes if ax.get_title(loc="left") == report.ACCURACY]
+    lines = {line.get_gid(): line for line in panel.lines
+             if not line.get_gid().startswith("boundary:")}
+    assert lines.keys() == {"acc_norm/t", "acc/t", "chance/t"}
+    assert list(lines["acc_norm/t"].get_ydata()) == [0.25, 0.4]
+    assert list(lines["acc/t"].get_ydata()) == [0.2, 0.3]
+    assert lines["acc_norm/t"].get_label() == "b t acc_norm"
+    assert list(lines["chance/t"].get_ydata()) == [0.25, 0.25]
+    assert to_rgba(lines["chance/t"].get_color()) == to_rgba("0.5")  # the task's, in grey
+    finals = (tmp_path / "both" / "report.md").read_text()
+    assert "| wall time | t acc_norm / acc |" in finals
+    assert re.search(r"^\| a \|.* \| n/a \|$", finals, re.M)
+    assert re.search(r"^\| b \|.* \| 0\.4000 / 0\.3000 \|$", finals, re.M)
 
 
 def test_the_picks_follow_lm_eval_process_results():

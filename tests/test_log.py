@@ -1,9 +1,11 @@
-"""log.py: the peak-FLOP table, the memory estimate's activation constant, the log line."""
+"""log.py: the peak-FLOP table, the memory estimate's activation constant, the log line, what
+the banner says an evaluation reads, and what reaches wandb."""
 
 import dataclasses
 import io
 import json
 import re
+import sys
 import types
 from pathlib import Path
 
@@ -11,8 +13,11 @@ import pytest
 import torch
 
 import config
+import data
 import log
 import optim
+import train
+from conftest import micro_config
 from model import Transformer
 from train import StepResult
 
@@ -130,6 +135,42 @@ def test_log_line_labels_each_learning_rate(tmp_path, monkeypatch):
     assert record["tflops"] == pytest.approx(20480 * 1e9 / 1e12)
 
 
+def test_wandb_gets_every_train_eval_and_skip_record_that_metrics_jsonl_gets(tmp_path,
+                                                                            monkeypatch):
+    """README: the val loss and each task's acc, acc_norm and acc_bytes are logged "on the
+    eval line, in metrics.jsonl and wandb", as every train number is. wandb itself is stood
+    in for (what the logger hands it is this project's promise): each train, eval and skip
+    record of metrics.jsonl reaches wandb's log() whole, at its step, and nothing else."""
+    logged, inits = [], []
+
+    class Run:
+        def log(self, record, step):
+            logged.append((step, record))
+
+        def finish(self):
+            logged.append("finished")
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(
+        init=lambda **kwargs: inits.append(kwargs) or Run()))
+    cfg = config.apply_overrides(config.tiny(), {"out_dir": str(tmp_path), "write_report": False,
+                                                 "wandb_mode": "offline"})
+    monkeypatch.setattr("sys.stdout", io.StringIO())
+    with log.MetricsLogger(cfg, True, torch.device("cpu"), 1, {"causal": 1e9, "palm": 2e9},
+                           start_step=0) as logger:
+        logger.log_start({"step": 0, "tokens_seen": 0})
+        logger.log_eval(0, 0, {"val_loss": 8.3, "val_bpb": 3.6, "acc/t": 0.31, "acc_norm/t": 0.3,
+                               "acc_bytes/t": 0.32, "chance/t": 0.25})
+        logger.log_train(logged_run(10, {"muon": 6e-3, "adamw": 3e-3}),
+                         StepResult(4.0, 3.99, 0.01, 0.5, False, False, 2.0), train_seconds=2.0)
+        logger.log_skipped(11, float("nan"), float("nan"), 1)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    sent = [r for r in records if r["kind"] in ("train", "eval", "skip")]
+    assert [r["kind"] for r in sent] == ["eval", "train", "skip"]
+    assert logged == [(r["step"], {k: v for k, v in r.items() if k != "kind"}) for r in sent] \
+        + ["finished"]
+    assert logged[0][1]["acc_bytes/t"] == 0.32
+    assert [(i["mode"], i["config"]["out_dir"]) for i in inits] == [("offline", str(tmp_path))]
+
+
 def test_no_progress_bar_when_not_a_terminal(tmp_path, capsys):
     """Redirected output gets plain lines only: no carriage returns from a tqdm bar."""
     cfg = config.apply_overrides(config.tiny(), {"out_dir": str(tmp_path), "write_report": False})
@@ -180,3 +221,26 @@ def test_the_banner_says_what_an_evaluation_covers():
         lines = log.eval_coverage(tiny, {"data/big": windows})
         assert len(lines) == 1 + len(warned) and all(w in line for w, line in
                                                      zip(warned, lines[1:]))
+
+
+def test_setup_says_what_an_evaluation_reads_and_warns_where_it_costs_most(small_data_dir,
+                                                                          tmp_path, capsys):
+    """What train.setup prints, not only eval_coverage's lines. A micro run trains 4 steps ×
+    512 tokens between evaluations; all of small_data_dir's val (472 windows of 64, counted
+    from the manifest here) is 472·64 forward tokens, each a third of a trained token's
+    compute: ~492% of the training between evaluations, warned about. The fix the warning
+    names, followed (eval_tokens 1,024), is not warned about."""
+    windows = data.windows_per_epoch(data.load_manifest(small_data_dir), "val", 64)
+    cfg = micro_config(small_data_dir, str(tmp_path / "all"), eval_tokens=None)
+    train.setup(cfg)
+    printed = capsys.readouterr().out
+    assert f"\neval every 4 steps: all of {small_data_dir}'s val ({windows:,} windows of 64 " \
+           f"tokens); {windows * 64:,} val tokens per evaluation\n" in printed
+    assert f"\nwarning: an evaluation costs ~{windows * 64 / 3 / (4 * 512):.0%} of the training " \
+           f"compute between evaluations; set eval_tokens (val tokens per source; now none: " \
+           f"all of val) or a larger eval_every\n" in printed
+    train.setup(dataclasses.replace(cfg, eval_tokens=1024, out_dir=str(tmp_path / "part")))
+    printed = capsys.readouterr().out
+    assert f"\neval every 4 steps: 16 of {small_data_dir}'s {windows:,} val windows " \
+           f"({16 / windows:.1%}); 1,024 val tokens per evaluation\n" in printed
+    assert "warning: an evaluation" not in printed

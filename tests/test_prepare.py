@@ -421,6 +421,7 @@ def test_a_hub_dataset_streams_through_load_dataset_with_its_subset_and_split(
     val_keys = json.loads((tmp_path / "o1" / manifest["splits"]["val"]["keys"]).read_text())
     val = decoded_documents(tmp_path / "o1", "val")
     assert val and [expected[int(k.split(":")[1])] for k in val_keys] == val
+    assert {k.rsplit(":", 1)[0] for k in val_keys} == {"someone/corpus"}  # NAME:N, row N
     assert decoded_documents(tmp_path / "o1", "train") == [t for t in expected if t not in val]
     assert (manifest["subset"], manifest["split"]) == ("sample-10BT", "validation")
     prepare.prepare("someone/corpus", str(tmp_path / "o2"), vocab_size=300, val_fraction=0.0)
