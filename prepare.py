@@ -105,10 +105,9 @@ def prepare(source=None, out_dir=None, vocab_size=32768, tokenizer=None, text_fi
     reused = check_reused_tokenizer(tokenizer) if tokenizer else None
     source_name = source or f"stdlib:{root}"
     corpus = Corpus(source, root, files, text_field, subset, split)
-    if next(corpus.documents([]), None) is None:
-        raise ValueError(f"empty corpus: {source_name} has no readable, non-blank document "
-                         f"(files that are not UTF-8 are skipped); check --source and "
-                         f"--text_field")
+    skipped = []
+    if next(corpus.documents(skipped), None) is None:
+        raise ValueError(empty_corpus(source_name, skipped))
     with building(out_dir) as build:
         manifest, tokenizer_s = write_dataset(build, corpus, source_name, vocab_size, reused,
                                               tokenizer, shard_tokens, val_fraction, max_tokens,
@@ -170,6 +169,19 @@ def write_dataset(build: Path, corpus, source_name, vocab_size, reused, tokenize
                 "splits": splits, "skipped_files": skipped}
     write_atomic(build / MANIFEST, json.dumps(manifest, indent=1).encode())
     return manifest, tokenizer_s
+
+
+def empty_corpus(source_name: str, skipped: list[dict]) -> str:
+    """Why a source gave no document: what was skipped, the first reason said (a damaged
+    file's own error, on one line), or else that every document was blank."""
+    if not skipped:
+        return (f"empty corpus: every document of {source_name} is blank; check --source and "
+                f"--text_field")
+    more = f", and {len(skipped) - 1:,} more" if len(skipped) > 1 else ""
+    reason = " ".join(skipped[0]["reason"].split())
+    return (f"empty corpus: {source_name} has no readable, non-blank document (skipped "
+            f"{skipped[0]['file']}: {reason}{more}); replace what cannot be read, or check "
+            f"--source and --text_field")
 
 
 def check_numbers(vocab_size, shard_tokens, val_fraction, max_tokens, tokenizer_chars):
@@ -373,7 +385,7 @@ class Corpus:
         """Every non-blank document as (key, text), in a fixed order, streamed; what cannot
         be read is recorded in `skipped`."""
         if self.root is None:
-            stream = hf_documents(self.source, self.text_field, self.subset, self.split)
+            stream = hf_documents(self.source, self.text_field, self.subset, self.split, skipped)
         else:
             stream = (doc for path in self.files
                       for doc in file_documents(path, self.root, self.text_field, skipped))
@@ -427,23 +439,46 @@ def parquet_documents(path: Path, key: str, text_field: str, skipped: list):
     """Row N (from 0, across the file's row groups) is document `key:N`. Only the text
     column is read (check_parquet made sure there is one), a row group at a time, and
     handed on PARQUET_BATCH_ROWS rows at a time: memory holds the larger of one group and
-    one batch, never the file's column. A file pyarrow cannot read is skipped (from the
-    bad row group on), and so is a null row."""
+    one batch, never the file's column. What pyarrow cannot read is skipped and recorded:
+    a file whose footer it cannot read, whole; a damaged row group, from the first row not
+    yet read to the group's end (the footer says where each group starts, so the rows of
+    the groups after it keep their numbers); and a null row."""
     import pyarrow  # optional: check_parquet refused a parquet source without it
     import pyarrow.parquet
 
     try:
         # pre_buffer (pyarrow's default) would read the whole file's column before row 0
-        with pyarrow.parquet.ParquetFile(path, pre_buffer=False) as parquet:
-            batches = parquet.iter_batches(PARQUET_BATCH_ROWS, columns=[text_field])
-            rows = (text for batch in batches for text in batch.column(0).to_pylist())
-            for row, document in enumerate(rows):
-                if document is None:
-                    skipped.append({"file": f"{path}:{row}", "reason": f"{text_field!r} is null"})
-                    continue
-                yield f"{key}:{row}", document
+        parquet = pyarrow.parquet.ParquetFile(path, pre_buffer=False)
     except pyarrow.ArrowException as e:
         skipped.append({"file": str(path), "reason": f"{type(e).__name__}: {e}"})
+        return
+    with parquet:
+        first = 0  # the file's row number of the group's first row
+        for group in range(parquet.num_row_groups):
+            yield from row_group_documents(parquet, group, first, path, key, text_field,
+                                           skipped)
+            first += parquet.metadata.row_group(group).num_rows
+
+
+def row_group_documents(parquet, group: int, first: int, path: Path, key: str,
+                        text_field: str, skipped: list):
+    """One row group's documents (parquet_documents), its rows numbered from `first`."""
+    import pyarrow
+
+    row, end = first, first + parquet.metadata.row_group(group).num_rows
+    try:
+        for batch in parquet.iter_batches(PARQUET_BATCH_ROWS, row_groups=[group],
+                                          columns=[text_field]):
+            for document in batch.column(0).to_pylist():
+                if document is None:
+                    skipped.append({"file": f"{path}:{row}", "reason": f"{text_field!r} is null"})
+                else:
+                    yield f"{key}:{row}", document
+                row += 1
+    except (OSError, pyarrow.ArrowException) as e:  # a damaged page: pyarrow raises either
+        skipped.append({"file": f"{path}:{row}-{end - 1}",
+                        "reason": f"row group {group} cannot be read from row {row} on "
+                                  f"({type(e).__name__}: {e})"})
 
 
 def text_bytes(path: Path, text_field: str) -> int:
@@ -479,10 +514,13 @@ def txt_documents(path: Path, key: str):
         yield f"{key}:{i}", tail
 
 
-def hf_documents(source: str, text_field: str, subset: str | None, split: str):
+def hf_documents(source: str, text_field: str, subset: str | None, split: str,
+                 skipped: list):
     """Yield (key, text) from a Hugging Face dataset: a directory written by `save_to_disk`,
     or a hub name with its subset (`load_dataset`'s `name`) and split, streamed so a large
-    corpus is never held in memory."""
+    corpus is never held in memory. The rule of a parquet source: a null row is skipped
+    and recorded in `skipped`; a field that is not text is refused before any work, from
+    the dataset's features (or at its first row, where a stream does not declare them)."""
     import datasets  # optional: only this source kind needs it
 
     if Path(source).is_dir():
@@ -500,11 +538,28 @@ def hf_documents(source: str, text_field: str, subset: str | None, split: str):
                              f"of splits; drop --split")
     else:
         dataset = datasets.load_dataset(source, name=subset, split=split, streaming=True)
+    if dataset.features is not None:
+        check_text_field(source, text_field, dataset.features)
     for i, row in enumerate(dataset):
-        if text_field not in row:
-            raise ValueError(f"dataset {source!r} has no field {text_field!r} (fields: "
-                             f"{sorted(row)}); pass --text_field")
-        yield f"{source}:{i}", row[text_field]
+        text = row.get(text_field)
+        if text_field not in row or not isinstance(text, (str, type(None))):
+            check_text_field(source, text_field, {name: type(value).__name__
+                                                  for name, value in row.items()})
+        if text is None:
+            skipped.append({"file": f"{source}:{i}", "reason": f"{text_field!r} is null"})
+            continue
+        yield f"{source}:{i}", text
+
+
+def check_text_field(source: str, text_field: str, features: dict):
+    """A dataset's text_field must be a string column, as a parquet file's must: refused,
+    naming the fields and their types, where it is not. `features` maps each field to its
+    datasets feature (a Value's dtype is "string" for text) or a row value's type name."""
+    kinds = {name: getattr(feature, "dtype", feature) for name, feature in features.items()}
+    if kinds.get(text_field) not in ("string", "large_string"):
+        fields = ", ".join(f"{name} ({kind})" for name, kind in kinds.items())
+        raise ValueError(f"dataset {source} has no text field {text_field!r} (its fields: "
+                         f"{fields}); pass --text_field naming the field of documents")
 
 
 def val_point(key: str) -> float:
