@@ -23,7 +23,7 @@ import typing
 from typing import NamedTuple
 from dataclasses import dataclass, field
 
-from cli import user_errors
+from cli import ArgumentParser, user_errors
 
 
 def knob(default, description: str, section: str | None = None):
@@ -791,10 +791,10 @@ def _help_text(preset: str) -> str:
 
 def parse_args(argv: list[str] | None = None, default_preset: str = "stack100m"):
     """CLI -> (TrainConfig, actions). Order of precedence: preset < TOML file < flags."""
-    presets = argparse.ArgumentParser(add_help=False)
+    presets = ArgumentParser(add_help=False)
     presets.add_argument("--preset", choices=sorted(PRESETS), default=default_preset)
     shown = presets.parse_known_args(argv)[0].preset  # --help lists this preset's defaults
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description="Pretrain a Stack-100M-style decoder.", epilog=_help_text(shown),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
@@ -837,7 +837,7 @@ def fit_micro_batch_cli(argv=None):
     prints the micro-batch a launch on N ranks should use (TrainConfig.fitting_micro_batch)
     or refuses in one line. A launch script asks it before starting any node, in a
     fraction of the time importing train.py (and torch) takes."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description="Print the micro-batch a launch on --world_size ranks should use; any "
                     "other flag is train.py's, as it would be given to it.")
     parser.add_argument("--world_size", type=int, required=True, help="ranks of the launch")

@@ -39,7 +39,6 @@ checkpoint (set_aside: a built-in corpus it cannot use is renamed, as a damaged 
 is).
 """
 
-import argparse
 import collections
 import contextlib
 import glob
@@ -60,7 +59,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
 from checkpoint import set_aside
-from cli import user_errors
+from cli import ArgumentParser, user_errors
 from data import (EOS_TOKEN, FORMAT_VERSION, MANIFEST, TOKENIZER_FILE, VAL_KEYS_FILE,
                   token_dtype, verify)
 
@@ -741,7 +740,7 @@ def done(writers: dict, max_tokens: int | None) -> bool:
 # ---------------------------------------------------------------------------------------
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description="Prepare token shards for stacklm (default: the Python standard "
                     "library's .py files, no download), or verify a prepared directory.")
     parser.add_argument("--source", help="a directory of files, a file (.txt, .jsonl, "

@@ -31,7 +31,6 @@ torch). It reads JSON and draws with matplotlib (a bare Figure, rendered by Agg:
 display, no pyplot state).
 """
 
-import argparse
 import json
 import math
 import os
@@ -44,7 +43,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 import config
-from cli import user_errors
+from cli import ArgumentParser, user_errors
 
 REFERENCE = Path(__file__).resolve().parent / "reference" / "tiny"
 # Knobs that change nothing a run computes before its sample, or only which seed it draws:
@@ -666,7 +665,7 @@ def write(folders: list, out: Path | None = None) -> tuple[Path, str | None, lis
 
 
 def cli(argv=None):
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description="Write report.md and report.png from a run's out_dir (its metrics.jsonl "
                     "alone), or compare several runs in one figure and table.")
     parser.add_argument("folders", nargs="+", metavar="OUT_DIR", help="a run's out_dir")
