@@ -725,7 +725,24 @@ def _check_type(value, kind, key: str):
 COMMAND_LINE_ONLY = ("preset", "config", "debug", "force")
 
 
+# Flags of the other commands that a user may give train.py: the command that takes them.
+OTHER_COMMANDS = {
+    "export": "train.py exports nothing: after training, `python export.py OUT_DIR` writes "
+              "the newest checkpoint as OUT_DIR/export/ (--format hf: a transformers folder)",
+    "source": "train.py reads prepared data: `python prepare.py --source CORPUS --data_dir "
+              "DIR` prepares a corpus, then pass --data_dir=DIR",
+}
+
+
+def _known_keys() -> list[str]:
+    """Every key an override may set: TrainConfig's fields and model.<StackConfig field>."""
+    return [f.name for f in dataclasses.fields(TrainConfig) if f.name != "model"] + \
+        [f"model.{f.name}" for f in dataclasses.fields(StackConfig)]
+
+
 def _unknown_key(key: str, known: list[str]) -> ValueError:
+    if key in OTHER_COMMANDS:
+        return ValueError(f"unknown config key {key!r}: {OTHER_COMMANDS[key]}")
     close = difflib.get_close_matches(key, known + list(COMMAND_LINE_ONLY), n=1)
     hint = f"; did you mean --{close[0]}?" if close else "; see --help for every knob"
     return ValueError(f"unknown config key {key!r}{hint}")
@@ -736,7 +753,7 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, typing.Any]) -> Train
     Values may be strings (from the CLI) or already typed (from TOML)."""
     train_types, model_types = (typing.get_type_hints(TrainConfig),
                                  typing.get_type_hints(StackConfig))
-    known = [k for k in train_types if k != "model"] + [f"model.{k}" for k in model_types]
+    known = _known_keys()
     top, model = {}, {}
     for key, value in overrides.items():
         target, types_, name = (model, model_types, key[6:]) if key.startswith("model.") \
@@ -818,10 +835,12 @@ def parse_args(argv: list[str] | None = None, default_preset: str = "stack100m")
                              f"see --help") from None
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"--config {args.config}: {e}") from None
-    items = iter(rest)
+    items, known = iter(rest), _known_keys()
     for item in items:  # --key=value or --key value, as argparse reads prepare.py's flags
         key, eq, value = item.removeprefix("--").partition("=")
         if item.startswith("--") and not eq:
+            if key.replace("-", "_") not in known:  # the key is the mistake, not its value
+                raise _unknown_key(key.replace("-", "_"), known)
             value = next(items, None)
             if value is None or value.startswith("--"):
                 raise ValueError(f"{item} has no value: write --{key}=VALUE or --{key} VALUE")
