@@ -86,39 +86,50 @@ class RunLog:
 def read_run(out_dir, seen: frozenset = frozenset()) -> RunLog:
     """The run in out_dir, from its metrics.jsonl; a ValueError when there is none."""
     path = Path(out_dir).resolve()
-    records, warning = read_lines(path / "metrics.jsonl")
-    run = RunLog(path, warnings=[warning] if warning else [])
+    if path.is_file():
+        raise NotADirectoryError(f"{out_dir} is a file; report.py reads a run's out_dir, the "
+                                 f"folder that holds metrics.jsonl: python report.py "
+                                 f"{Path(out_dir).parent}")
+    records, bad = read_lines(path / "metrics.jsonl")
+    run = RunLog(path, warnings=[f"{path / 'metrics.jsonl'}: {lines_named(bad)} cannot be "
+                                 f"read (cut short by a kill -9?); reported without "
+                                 f"{'them' if len(bad) > 1 else 'it'}"] if bad else [])
     for record in records:
         add(run, record)
     if not run.starts:
-        raise ValueError(f"{path / 'metrics.jsonl'}: no start record, so not a log of this "
-                         f"version of train.py (each start of a run writes one first)")
+        unread = f" ({lines_named(bad)} cannot be read)" if bad else ""
+        raise ValueError(f"{path / 'metrics.jsonl'}: no start record{unread}, so not a log "
+                         f"of this version of train.py (each start of a run writes one "
+                         f"first); give the out_dir of a run train.py wrote")
     inherit(run, seen | {path})
     return run
 
 
-def read_lines(metrics: Path) -> tuple[list[dict], str | None]:
-    """Every record that parses, and one warning naming the lines that do not."""
+def read_lines(metrics: Path) -> tuple[list[dict], list[int]]:
+    """Every record that parses, and the numbers of the lines that do not."""
     try:
-        text = metrics.read_text()
+        lines = metrics.read_bytes().splitlines()
     except FileNotFoundError:
         raise ValueError(f"{metrics.parent}: no metrics.jsonl, so nothing to report; give "
                          f"the out_dir of a run (train.py writes metrics.jsonl there)") from None
     records, bad = [], []
-    for number, line in enumerate(text.splitlines(), 1):
-        try:
-            record = json.loads(line, parse_constant=not_json)
+    for number, line in enumerate(lines, 1):
+        try:  # a line that is not UTF-8 (a binary file) is unreadable as one cut short is
+            record = json.loads(line.decode("utf-8"), parse_constant=not_json)
         except ValueError:
             record = None
         if isinstance(record, dict) and "kind" in record and "step" in record:
             records.append(record)
         elif line.strip():
             bad.append(number)
-    if not bad:
-        return records, None
-    lines = f"line{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
-    return records, (f"{metrics}: {lines} cannot be read (cut short by a kill -9?); "
-                     f"reported without {'them' if len(bad) > 1 else 'it'}")
+    return records, bad
+
+
+def lines_named(numbers: list[int]) -> str:
+    """`line 7`, `lines 3, 9`, or past five, `lines 1, 2, 3, 4, 5 and 21 more`."""
+    listed = ", ".join(map(str, numbers[:5])) + (f" and {len(numbers) - 5:,} more"
+                                                 if len(numbers) > 5 else "")
+    return f"line{'s' if len(numbers) > 1 else ''} {listed}"
 
 
 def not_json(constant: str):
