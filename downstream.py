@@ -55,6 +55,7 @@ val documents' keys) and prepare (how a key names a document, and reading it).
 """
 
 import bisect
+import difflib
 import json
 import math
 import random
@@ -160,12 +161,31 @@ def read_jsonl(path: str, reader, name: str) -> list[Item]:
             try:
                 items.append(checked(reader(json.loads(line), f"{path}:{number}")))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
-                what = "generic" if reader is generic_item else name
-                raise ValueError(f"{path}:{number}: not a {what} item ({e.__class__.__name__}: "
-                                 f"{e})") from None
+                what = with_article("generic" if reader is generic_item else name)
+                raise ValueError(f"{path}:{number}: not {what} item ({e.__class__.__name__}: "
+                                 f"{e}); {line_format(name, path)}") from None
     if not items:
-        raise ValueError(f"{path}: no items (an empty file); downstream task {name} needs some")
+        raise ValueError(f"{path}: no items (an empty file); downstream task {name} needs "
+                         f"some: put them in it, or drop {name} from --downstream")
     return items
+
+
+def line_format(name: str, path: str) -> str:
+    """What each line of a task's file must hold, for the refusal of one that does not: its
+    format's fields, or where the name is no format's (hellaswg), the generic item, and the
+    format it may have meant."""
+    if name in FIELDS:
+        return (f"each line of {with_article(name)} file holds {FIELDS[name]} (README's "
+                f"In-loop tasks)")
+    close = difflib.get_close_matches(name, [*READERS, "nextline"], n=1)
+    meant = f"; did you mean --downstream={close[0]}:{path}?" if close else ""
+    return (f"{name} is not a format's name ({', '.join([*READERS, 'nextline'])}), so each "
+            f"line must be a generic item, {{\"context\": str, \"choices\": [str, ...], "
+            f"\"gold\": int}}{meant}")
+
+
+def with_article(word: str) -> str:
+    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
 
 
 def checked(item: Item) -> Item:
@@ -178,7 +198,7 @@ def checked(item: Item) -> Item:
         raise ValueError(f"choices must be 2 or more non-empty strings, not {item.choices!r}")
     if type(item.gold) is not int or not 0 <= item.gold < len(item.choices):
         raise ValueError(f"gold {item.gold!r} is not the index of one of the "
-                         f"{len(item.choices)} choices")
+                         f"{len(item.choices)} choices (0 to {len(item.choices) - 1})")
     return item
 
 
@@ -204,8 +224,12 @@ def arc_item(doc: dict, where: str) -> Item:
     if isinstance(question, dict):  # AI2's release nests them under question
         choices = {key: [c[key] for c in question["choices"]] for key in ("text", "label")}
         question = question["stem"]
+    labels = list(choices["label"])
+    if doc["answerKey"] not in labels:
+        raise ValueError(f"answerKey {doc['answerKey']!r} is not one of its choices' labels "
+                         f"{labels}")
     return Item(f"Question: {question}\nAnswer:", list(choices["text"]),
-                list(choices["label"]).index(doc["answerKey"]), where)
+                labels.index(doc["answerKey"]), where)
 
 
 def piqa_item(doc: dict, where: str) -> Item:
@@ -222,6 +246,12 @@ def generic_item(doc: dict, where: str) -> Item:
 
 READERS = {"hellaswag": hellaswag_item, "arc_easy": arc_item, "arc_challenge": arc_item,
            "piqa": piqa_item}
+ARC_FIELDS = ("question (its stem and choices, each a text and a label) and answerKey, as "
+              "AI2's release writes it, or question, choices.text, choices.label and "
+              "answerKey, as the Hub's rows")
+FIELDS = {"hellaswag": "activity_label, ctx_a, ctx_b, endings and label",
+          "arc_easy": ARC_FIELDS, "arc_challenge": ARC_FIELDS,
+          "piqa": "goal, sol1, sol2 and label (valid-labels.lst merged in)"}
 
 
 # ---------------------------------------------------------------------------------------

@@ -39,6 +39,10 @@ GENERIC = [
 ]
 
 
+HELLASWAG_LINE = json.dumps({"activity_label": "a", "ctx_a": "b", "ctx_b": "c",
+                             "endings": ["d", "e"], "label": 1})
+
+
 def write_jsonl(path: Path, docs: list) -> Path:
     path.write_text("".join(json.dumps(doc) + "\n" for doc in docs))
     return path
@@ -170,14 +174,24 @@ def test_each_format_reads_items_as_lm_eval_builds_them(tmp_path):
     ("mine", ['{"context": "a", "choices": ["b", "c"], "gold": 0}', "", "{not json"],
      r"task\.jsonl:3: not a generic item \(JSONDecodeError"),
     ("hellaswag", ['{"activity_label": "a", "ctx_a": "b", "ctx_b": "c", "endings": ["d"]}'],
-     r"task\.jsonl:1: not a hellaswag item \(KeyError: 'label'\)"),
+     r"task\.jsonl:1: not a hellaswag item \(KeyError: 'label'\); each line of a hellaswag "
+     r"file holds activity_label, ctx_a, ctx_b, endings and label"),
     ("mine", ['{"context": "a", "choices": ["b", "c"], "gold": 2}'],
-     r"task\.jsonl:1: .*gold 2 is not the index of one of the 2 choices"),
+     r"task\.jsonl:1: .*gold 2 is not the index of one of the 2 choices \(0 to 1\)"),
+    ("hellaswg", [HELLASWAG_LINE],  # a misspelt format: read as generic, and it says so
+     r"task\.jsonl:1: not a generic item \(KeyError: 'context'\); hellaswg is not a format's "
+     r"name \(hellaswag, arc_easy, arc_challenge, piqa, nextline\), so each line must be a "
+     r"generic item, .*; did you mean --downstream=hellaswag:.*task\.jsonl\?"),
+    ("arc_easy", [json.dumps({"question": {"stem": "Which?", "choices": [
+        {"text": "a", "label": "A"}, {"text": "b", "label": "B"}]}, "answerKey": "E"})],
+     r"task\.jsonl:1: not an arc_easy item \(ValueError: answerKey 'E' is not one of its "
+     r"choices' labels \['A', 'B'\]\); each line of an arc_easy file holds question"),
     ("piqa", ['{"goal": "a", "sol1": "b", "sol2": "c"}'],
      r"task\.jsonl:1: .*merge valid-labels\.lst in"),
     ("mine", ['{"context": " ", "choices": ["b", "c"], "gold": 0}'],
      r"task\.jsonl:1: .*the context is empty"),
-    ("mine", [], r"task\.jsonl: no items"),
+    ("mine", [], r"task\.jsonl: no items \(an empty file\); downstream task mine needs some: "
+                 r"put them in it, or drop mine from --downstream"),
 ])
 def test_a_bad_task_file_is_refused_in_setup_in_one_line(name, lines, message, small_data_dir,
                                                         tmp_path):
@@ -191,6 +205,16 @@ def test_a_bad_task_file_is_refused_in_setup_in_one_line(name, lines, message, s
         train.main(cfg)
     assert "\n" not in str(refused.value) and re.search(message, str(refused.value))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_format_a_misspelt_name_is_told_reads_the_file(tmp_path):
+    """The fix the refusal above names, followed: the file reads as a hellaswag item."""
+    path = write_jsonl(tmp_path / "task.jsonl", [json.loads(HELLASWAG_LINE)])
+    with pytest.raises(ValueError, match=r"did you mean --downstream=(\w+):") as refused:
+        downstream.read_items("hellaswg", str(path))
+    [item] = downstream.read_items(refused.value.args[0].rsplit("=", 1)[1].split(":")[0],
+                                   str(path))
+    assert item.choices == ["d", "e"] and item.gold == 1
 
 
 @pytest.mark.parametrize("overrides, message", [
