@@ -174,7 +174,8 @@ class TrainConfig:
                                               "most its whole val split); none: all of it")
     downstream: str = knob("", "multiple-choice tasks scored as lm-eval does (downstream.py): "
                                "NAME:PATH,NAME:PATH; NAME hellaswag, arc_easy, arc_challenge, "
-                               "piqa, nextline (PATH a built-in data_dir) or any: generic")
+                               "piqa, nextline (PATH a prepared data_dir; bare nextline: the "
+                               "run's own data) or any: generic")
     downstream_every: int | None = knob(None, "optimizer steps between scorings, a multiple of "
                                               "eval_every; none: at each evaluation")
     downstream_items: int | None = knob(500, "items scored per task: a file's first N, nextline's "
@@ -425,14 +426,18 @@ def parse_mixture(spec: str, name: str = "data_dir") -> tuple[tuple[str, float],
     return tuple((path, share / total) for path, share in sources)
 
 
-def parse_downstream(spec: str) -> list[tuple[str, str]]:
+def parse_downstream(spec: str) -> list[tuple[str, str | None]]:
     """`hellaswag:data/hellaswag_val.jsonl,nextline:data/stdlib-4k` -> [(name, path), ...];
-    "" -> no tasks. A name keys the task's metrics (acc/<name>), so each appears once."""
+    "" -> no tasks; bare `nextline` -> ("nextline", None): the run's own data (downstream.py).
+    A name keys the task's metrics (acc/<name>), so each appears once."""
     tasks = []
     for item in filter(None, (part.strip() for part in spec.split(","))):
         name, colon, path = item.partition(":")
-        if not (colon and name and path) or "/" in name:
-            raise ValueError(f"downstream={spec!r}: {item!r} is not NAME:PATH; write e.g. "
+        if item == "nextline":
+            path = None
+        elif not (colon and name and path) or "/" in name:
+            raise ValueError(f"downstream={spec!r}: {item!r} is not NAME:PATH (only nextline "
+                             f"stands alone: the run's own data); write e.g. "
                              f"--downstream=hellaswag:data/hellaswag_val.jsonl")
         tasks.append((name, path))
     names = [name for name, _ in tasks]
@@ -652,7 +657,7 @@ def tiny() -> TrainConfig:
                        # so a scorer outside the run reads the same text (README's export)
                        log_every=10, eval_every=100, eval_tokens=None, ckpt_every=100,
                        keep_last_ckpts=2, sample_tokens=48,
-                       downstream="nextline:data/stdlib-4k", downstream_items=TINY_ITEMS)
+                       downstream="nextline", downstream_items=TINY_ITEMS)
 
 
 PRESETS = {"stack100m": stack100m, "tiny": tiny}

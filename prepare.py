@@ -64,6 +64,7 @@ from data import (EOS_TOKEN, FORMAT_VERSION, MANIFEST, TOKENIZER_FILE, VAL_KEYS_
                   token_dtype, verify)
 
 DEFAULT_SHARD_TOKENS = 2**26  # 128 MiB of uint16 per file
+DEFAULT_VAL_FRACTION = 0.01  # the built-in corpus's too (builtin_val_documents relies on it)
 # The tokenizer's training sample, in characters. nanochat trains on 2B; 1B keeps the
 # trainer's word counts within a few GB. It exceeds the built-in corpus (~31.5M), so the
 # built-in data, and every figure measured on it, is trained on all of its train split.
@@ -85,7 +86,7 @@ LOCAL_SUFFIXES = {".txt", ".jsonl", ".json", ".parquet", ".py", ".md"}
 # ---------------------------------------------------------------------------------------
 
 def prepare(source=None, out_dir=None, vocab_size=32768, tokenizer=None, text_field="text",
-            shard_tokens=DEFAULT_SHARD_TOKENS, val_fraction=0.01, max_tokens=None,
+            shard_tokens=DEFAULT_SHARD_TOKENS, val_fraction=DEFAULT_VAL_FRACTION, max_tokens=None,
             tokenizer_chars=DEFAULT_TOKENIZER_CHARS, subset=None, split="train") -> dict:
     """Tokenize a corpus into out_dir and return its manifest. source None is the built-in
     standard-library corpus; tokenizer is a tokenizer.json to reuse instead of training;
@@ -289,6 +290,15 @@ def ensure_builtin(sources: list[str], vocab_size: int):
     prepare(out_dir=str(builtin), vocab_size=vocab_size)
 
 
+def builtin_val_documents() -> list[str]:
+    """The built-in corpus's val documents, in stream order, read from the standard library
+    itself: the texts the val_documents.json of every data/stdlib-* directory lists (a hash
+    of each file's name picks the split, whatever the vocabulary), with nothing prepared."""
+    root, files = stdlib_files()
+    val = [p for p in files if is_val(p.relative_to(root).as_posix(), DEFAULT_VAL_FRACTION)]
+    return [text for _, text in Corpus(None, root, val, "text").documents([])]
+
+
 def stdlib_files() -> tuple[Path, list[Path]]:
     """The standard library's own .py files: always present, so the default run needs no
     download. Installed packages (site-packages) differ between machines and are left out."""
@@ -305,8 +315,7 @@ def find_source(source: str | None) -> tuple[Path | None, list[Path]]:
     path = Path(source)
     if path.is_file():
         return path.parent, [path]
-    saved_dataset = (path / "state.json").exists() or (path / "dataset_dict.json").exists()
-    if path.is_dir() and not saved_dataset:  # those two files mark a HF `save_to_disk` folder
+    if path.is_dir() and not is_saved_dataset(path):
         files = sorted(p for p in path.rglob("*") if p.is_file()
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if not files:
@@ -328,6 +337,36 @@ def find_source(source: str | None) -> tuple[Path | None, list[Path]]:
                          f"would be read as a Hugging Face dataset, but the optional `datasets` "
                          f"package is not installed; `pip install datasets` or fix the path")
     return None, []
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """A Hugging Face `save_to_disk` folder: one of these two files marks it."""
+    return (path / "state.json").exists() or (path / "dataset_dict.json").exists()
+
+
+def source_root(source: str) -> Path | None:
+    """The folder a prepared local source's document keys are relative to (find_source's
+    root; the built-in corpus's, from its `stdlib:ROOT`), found again where the source is;
+    None where nothing of it is there now."""
+    if source.startswith("stdlib:"):
+        root = Path(source.removeprefix("stdlib:"))
+        return root if root.is_dir() else None
+    try:
+        root, files = find_source(source)
+    except (OSError, ValueError):
+        return None
+    return root if files else None
+
+
+def from_dataset(source: str, keys: list[str]) -> bool:
+    """Whether a corpus prepared from `source`, whose documents have these keys, came from a
+    Hugging Face dataset (hf_documents' keys are SOURCE:N), not from local files (keys are
+    paths under the source's folder), even where the source is no longer there."""
+    if is_saved_dataset(Path(source)):
+        return True
+    if Path(source).exists() or looks_local(source) or any(c in source for c in "*?["):
+        return False
+    return all(key.rpartition(":")[0] == source for key in keys)
 
 
 def looks_local(source: str) -> bool:
@@ -760,7 +799,7 @@ def main(argv=None):
                              "datasets (default text)")
     parser.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS,
                         help=f"tokens per shard file (default {DEFAULT_SHARD_TOKENS:,})")
-    parser.add_argument("--val_fraction", type=float, default=0.01,
+    parser.add_argument("--val_fraction", type=float, default=DEFAULT_VAL_FRACTION,
                         help="share of documents, picked by a hash of their name, for val "
                              "(default 0.01)")
     parser.add_argument("--max_tokens", type=int_with_underscores, default=None,
