@@ -691,6 +691,9 @@ def cli(argv=None):
         if len(args.folders) > 1 and not args.out:
             raise ValueError(f"comparing {len(args.folders)} runs needs --out DIR, a folder "
                              f"for the comparison's report.md and report.png")
+        if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+            raise NotADirectoryError(f"--out {args.out} is a file; give a folder for "
+                                     f"report.md and report.png (made if missing)")
         out, verdict, warnings = write(args.folders, args.out)
         if args.quiet:
             return
