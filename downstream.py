@@ -303,7 +303,7 @@ def nextline_items(documents: list[str]) -> list[Item]:
     item, in a seeded order: the context is the lines before it, the choices are "\\n" +
     the line and 3 lines of similar length from other documents, the gold at a seeded
     place. The "\\n" keeps the delimiter's space at the end of the line before, not in the
-    indentation that Python reads. None where no line qualifies."""
+    indentation that Python reads. No items where no line qualifies."""
     documents = [text.split("\n") for text in documents]
     pool = sorted((len(line), line, d) for d, lines in enumerate(documents)
                   for line in lines if len(line.strip()) >= NEXTLINE_MIN_CHARS)

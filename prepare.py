@@ -366,7 +366,7 @@ def from_dataset(source: str, keys: list[str]) -> bool:
         return True
     if Path(source).exists() or looks_local(source) or any(c in source for c in "*?["):
         return False
-    return all(key.rpartition(":")[0] == source for key in keys)
+    return bool(keys) and all(key.rpartition(":")[0] == source for key in keys)
 
 
 def looks_local(source: str) -> bool:

@@ -321,7 +321,8 @@ def test_bare_nextline_reads_the_runs_own_data_and_leaves_out_what_cannot_fit(
     tiny, _ = config.parse_args(["--preset", "tiny", f"--data_dir={small_data_dir}",
                                  "--model.vocab_size=512", "--seq_len=64"])
     [task] = downstream.load_tasks(tiny, small_data_dir, 1)
-    assert len(task.items) == config.TINY_ITEMS and task.origin == f"{small_data_dir}'s val documents"
+    assert len(task.items) == config.TINY_ITEMS
+    assert task.origin == f"{small_data_dir}'s val documents"
     assert not Path("data").exists()
 
 
