@@ -1,10 +1,12 @@
 """Command-line plumbing that every command shares (train.py, prepare.py, export.py,
 sample.py, report.py and config.py's own): a mistake a user can fix is one line, not a
-traceback; so is a command with nothing to do, and a Ctrl-C that interrupts it.
+traceback or argparse's usage; so is a command with nothing to do, and a Ctrl-C that
+interrupts it.
 
 Imports from stacklm: nothing.
 """
 
+import argparse
 import contextlib
 import os
 import sys
@@ -42,6 +44,20 @@ def user_errors(debug: bool, errors: tuple = (ValueError, OSError),
         if rank0:
             print(interrupted, file=sys.stderr)
         sys.exit(130)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose own refusals (an unknown flag, a bad choice, a missing
+    argument, a value given to a flag that takes none) keep the commands' contract: one
+    line `error: …` and exit status 2, without the usage argparse prints first. --help is
+    argparse's own. (Overriding `error` is how argparse's documentation customises it.)"""
+
+    def error(self, message: str):
+        if "ignored explicit argument" in message:  # --force=true
+            message += " (the flag takes no value: write it alone)"
+        if is_rank0():
+            print(f"error: {message}; `{self.prog} --help` lists the flags", file=sys.stderr)
+        sys.exit(2)
 
 
 def is_rank0() -> bool:

@@ -23,7 +23,7 @@ import typing
 from typing import NamedTuple
 from dataclasses import dataclass, field
 
-from cli import user_errors
+from cli import ArgumentParser, user_errors
 
 
 def knob(default, description: str, section: str | None = None):
@@ -176,7 +176,8 @@ class TrainConfig:
                                               "most its whole val split); none: all of it")
     downstream: str = knob("", "multiple-choice tasks scored as lm-eval does (downstream.py): "
                                "NAME:PATH,NAME:PATH; NAME hellaswag, arc_easy, arc_challenge, "
-                               "piqa, nextline (PATH a built-in data_dir) or any: generic")
+                               "piqa, nextline (PATH a prepared data_dir; bare nextline: the "
+                               "run's own data) or any: generic")
     downstream_every: int | None = knob(None, "optimizer steps between scorings, a multiple of "
                                               "eval_every; none: at each evaluation")
     downstream_items: int | None = knob(500, "items scored per task: a file's first N, nextline's "
@@ -433,14 +434,18 @@ def parse_mixture(spec: str, name: str = "data_dir") -> tuple[tuple[str, float],
     return tuple((path, share / total) for path, share in sources)
 
 
-def parse_downstream(spec: str) -> list[tuple[str, str]]:
+def parse_downstream(spec: str) -> list[tuple[str, str | None]]:
     """`hellaswag:data/hellaswag_val.jsonl,nextline:data/stdlib-4k` -> [(name, path), ...];
-    "" -> no tasks. A name keys the task's metrics (acc/<name>), so each appears once."""
+    "" -> no tasks; bare `nextline` -> ("nextline", None): the run's own data (downstream.py).
+    A name keys the task's metrics (acc/<name>), so each appears once."""
     tasks = []
     for item in filter(None, (part.strip() for part in spec.split(","))):
         name, colon, path = item.partition(":")
-        if not (colon and name and path) or "/" in name:
-            raise ValueError(f"downstream={spec!r}: {item!r} is not NAME:PATH; write e.g. "
+        if item == "nextline":
+            path = None
+        elif not (colon and name and path) or "/" in name:
+            raise ValueError(f"downstream={spec!r}: {item!r} is not NAME:PATH (only nextline "
+                             f"stands alone: the run's own data); write e.g. "
                              f"--downstream=hellaswag:data/hellaswag_val.jsonl")
         tasks.append((name, path))
     names = [name for name, _ in tasks]
@@ -546,7 +551,7 @@ def tiny() -> TrainConfig:
                        # so a scorer outside the run reads the same text (README's export)
                        log_every=10, eval_every=100, eval_tokens=None, ckpt_every=100,
                        keep_last_ckpts=2, sample_tokens=48,
-                       downstream="nextline:data/stdlib-4k", downstream_items=TINY_ITEMS)
+                       downstream="nextline", downstream_items=TINY_ITEMS)
 
 
 PRESETS = {"stack100m": stack100m, "tiny": tiny}
@@ -619,7 +624,24 @@ def _check_type(value, kind, key: str):
 COMMAND_LINE_ONLY = ("preset", "config", "debug", "force")
 
 
+# Flags of the other commands that a user may give train.py: the command that takes them.
+OTHER_COMMANDS = {
+    "export": "train.py exports nothing: after training, `python export.py OUT_DIR` writes "
+              "the newest checkpoint as OUT_DIR/export/ (--format hf: a transformers folder)",
+    "source": "train.py reads prepared data: `python prepare.py --source CORPUS --data_dir "
+              "DIR` prepares a corpus, then pass --data_dir=DIR",
+}
+
+
+def _known_keys() -> list[str]:
+    """Every key an override may set: TrainConfig's fields and model.<StackConfig field>."""
+    return [f.name for f in dataclasses.fields(TrainConfig) if f.name != "model"] + \
+        [f"model.{f.name}" for f in dataclasses.fields(StackConfig)]
+
+
 def _unknown_key(key: str, known: list[str]) -> ValueError:
+    if key in OTHER_COMMANDS:
+        return ValueError(f"unknown config key {key!r}: {OTHER_COMMANDS[key]}")
     close = difflib.get_close_matches(key, known + list(COMMAND_LINE_ONLY), n=1)
     hint = f"; did you mean --{close[0]}?" if close else "; see --help for every knob"
     return ValueError(f"unknown config key {key!r}{hint}")
@@ -630,7 +652,7 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, typing.Any]) -> Train
     Values may be strings (from the CLI) or already typed (from TOML)."""
     train_types, model_types = (typing.get_type_hints(TrainConfig),
                                  typing.get_type_hints(StackConfig))
-    known = [k for k in train_types if k != "model"] + [f"model.{k}" for k in model_types]
+    known = _known_keys()
     top, model = {}, {}
     for key, value in overrides.items():
         target, types_, name = (model, model_types, key[6:]) if key.startswith("model.") \
@@ -685,10 +707,10 @@ def _help_text(preset: str) -> str:
 
 def parse_args(argv: list[str] | None = None, default_preset: str = "stack100m"):
     """CLI -> (TrainConfig, actions). Order of precedence: preset < TOML file < flags."""
-    presets = argparse.ArgumentParser(add_help=False)
+    presets = ArgumentParser(add_help=False)
     presets.add_argument("--preset", choices=sorted(PRESETS), default=default_preset)
     shown = presets.parse_known_args(argv)[0].preset  # --help lists this preset's defaults
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description="Pretrain a Stack-100M-style decoder.", epilog=_help_text(shown),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
@@ -712,10 +734,12 @@ def parse_args(argv: list[str] | None = None, default_preset: str = "stack100m")
                              f"see --help") from None
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"--config {args.config}: {e}") from None
-    items = iter(rest)
+    items, known = iter(rest), _known_keys()
     for item in items:  # --key=value or --key value, as argparse reads prepare.py's flags
         key, eq, value = item.removeprefix("--").partition("=")
         if item.startswith("--") and not eq:
+            if key.replace("-", "_") not in known:  # the key is the mistake, not its value
+                raise _unknown_key(key.replace("-", "_"), known)
             value = next(items, None)
             if value is None or value.startswith("--"):
                 raise ValueError(f"{item} has no value: write --{key}=VALUE or --{key} VALUE")
@@ -731,7 +755,7 @@ def fit_micro_batch_cli(argv=None):
     prints the micro-batch a launch on N ranks should use (TrainConfig.fitting_micro_batch)
     or refuses in one line. A launch script asks it before starting any node, in a
     fraction of the time importing train.py (and torch) takes."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description="Print the micro-batch a launch on --world_size ranks should use; any "
                     "other flag is train.py's, as it would be given to it.")
     parser.add_argument("--world_size", type=int, required=True, help="ranks of the launch")

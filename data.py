@@ -380,20 +380,21 @@ class MixtureLoader:
 # Reading a prepared directory, with errors that name the file and the fix.
 # ---------------------------------------------------------------------------------------
 
-def load_manifest(data_dir, vocab_size: int | None = None) -> dict:
+def load_manifest(data_dir, vocab_size: int | None = None, flag: str = "--data_dir=") -> dict:
     """data_dir's manifest.json, after checking it is complete and in the format read here.
-    `vocab_size`, the model's, goes into the prepare command an error suggests."""
+    `vocab_size`, the model's, goes into the prepare command an error suggests, and `flag`
+    (the one that named data_dir) before the folder that command prepares."""
     path = Path(data_dir) / MANIFEST
     if Path(data_dir).is_file():
         raise NotADirectoryError(f"data directory {data_dir} is a file, not the directory "
                                  f"`python prepare.py` writes; "
-                                 f"{_raw_text_hint(data_dir, vocab_size)}")
+                                 f"{_raw_text_hint(data_dir, vocab_size, flag)}")
     if not Path(data_dir).is_dir():
         raise FileNotFoundError(f"data directory {data_dir} does not exist; create it with "
                                 f"`{_prepare_hint(data_dir, vocab_size)}`")
     if not path.is_file() and any(Path(data_dir).iterdir()):
         raise FileNotFoundError(f"{path} is missing: {data_dir} holds files but was never "
-                                f"prepared; {_raw_text_hint(data_dir, vocab_size)}")
+                                f"prepared; {_raw_text_hint(data_dir, vocab_size, flag)}")
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing (never prepared); run "
                                 f"`{_prepare_hint(data_dir, vocab_size)}`")
@@ -640,10 +641,11 @@ def _prepare_hint(data_dir, vocab_size: int | None = None) -> str:
     return f"python prepare.py --source YOUR_CORPUS --data_dir {data_dir}{size}"
 
 
-def _raw_text_hint(data_dir, vocab_size: int | None) -> str:
-    """For a data_dir that holds raw text: the command that prepares it, and the flag to
-    train on the result. prepare refuses to write into (or inside) its source, so the
-    result goes to data/NAME, or beside the source where that lies inside it or exists."""
+def _raw_text_hint(data_dir, vocab_size: int | None, flag: str) -> str:
+    """For a data_dir that holds raw text: the command that prepares it, and the flag that
+    names the result (`--data_dir=`, or where a task reads it, `--downstream=nextline:`).
+    prepare refuses to write into (or inside) its source, so the result goes to data/NAME,
+    or beside the source where that lies inside it or exists."""
     source = Path(data_dir).resolve()
     name = source.stem if source.is_file() else source.name
     target = Path("data", name).resolve()
@@ -653,5 +655,5 @@ def _raw_text_hint(data_dir, vocab_size: int | None) -> str:
     size = f" --vocab_size {vocab_size}" if vocab_size else ""
     return (f"it looks like raw text: prepare it with `python prepare.py --source "
             f"{shlex.quote(str(data_dir))} --data_dir {target}{size}`, then pass "
-            f"--data_dir={target}")
+            f"{flag}{target}")
 

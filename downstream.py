@@ -14,7 +14,8 @@ its lm_eval/api/task.py, api/model.py and models/huggingface.py:
 - Too long an item loses tokens from the left, as `_loglikelihood_tokens` truncates: the
   last T + 1 tokens of context + continuation are kept and all but the last are fed in.
   T is seq_len here; lm-eval's is the export's max_position_embeddings (model.max_seq_len),
-  the same in both presets. A continuation longer than T is refused, as lm-eval asserts.
+  the same in both presets. A file's continuation longer than T is refused, as lm-eval
+  asserts; nextline, which makes its own items, makes none that cannot fit.
 - A choice's log-likelihood is the sum over its continuation's tokens of
   log p(token | all before it). acc: the argmax of the sums is the gold choice; acc_norm:
   the argmax of sum / len(choice) in characters (the choice's own length, without the
@@ -37,8 +38,9 @@ into a vector over all sequences, zero elsewhere; one sum over the ranks gives e
 each value once, on any rank count, and all of them the same accuracies.
 
 Tasks (--downstream=NAME:PATH,…), read in setup: a missing file, or a line that is not an
-item of its format, is refused in one line naming the file and line. A file's items are
-its first downstream_items (lm_eval --limit N takes the first N documents too).
+item of its format, is refused in one line naming the file and line, and what a line of
+the format holds. A file's items are its first downstream_items (lm_eval --limit N takes
+the first N documents too).
 
     hellaswag       JSONL as distributed (hellaswag_val.jsonl): activity_label, ctx_a,
                     ctx_b, endings, label; lm-eval's utils.process_docs builds the item
@@ -46,8 +48,10 @@ its first downstream_items (lm_eval --limit N takes the first N documents too).
     arc_challenge   label}], answerKey) or of its Hugging Face rows (question, choices.text,
                     choices.label, answerKey): "Question: {q}\\nAnswer:"
     piqa            JSONL of goal, sol1, sol2, label: "Question: {goal}\\nAnswer:"
-    nextline        PATH is a prepared corpus of local files, the built-in one above all:
-                    the next line of a val document given the lines before it (NEXTLINE_*)
+    nextline        the next line of a val document given the lines before it
+                    (NEXTLINE_*): PATH's, a corpus prepared from local files; bare
+                    `nextline`, the run's own data's, or where those cannot serve, the
+                    built-in corpus's val files (nextline_task)
     any other name  JSONL of {"context": str, "choices": [str, ...], "gold": int}
 
 Imports from stacklm: config (the task list's syntax), data (a corpus's manifest and its
@@ -55,6 +59,7 @@ val documents' keys) and prepare (how a key names a document, and reading it).
 """
 
 import bisect
+import difflib
 import json
 import math
 import random
@@ -80,18 +85,24 @@ NEXTLINE_CONTEXT_CHARS = 1000
 NEXTLINE_CHOICES = 4  # the true line and 3 of similar length from other val documents
 NEXTLINE_NEIGHBOURS = 40  # distractors are drawn from the lines nearest in length
 NEXTLINE_SEED = 0
+# What bare `nextline` reads, for the refusals of `nextline:PATH` that suggest it.
+NEXTLINE_FALLBACK = ("the run's own data, or the built-in corpus's val files where it "
+                     "cannot serve")
 
 
 class Item(NamedTuple):
     context: str
     choices: list[str]
     gold: int  # the index of the right choice
-    where: str  # FILE:LINE it was read from (or a val document's key and line)
+    # FILE:LINE it was read from; nextline's items D:L, line L (from 1) of val document D
+    # (from 0, in val_documents.json's order)
+    where: str
 
 
 @dataclass
 class Task:
     name: str
+    origin: str  # where its items come from: a file, or the documents nextline read
     items: list[Item]
     rows: dict[str, np.ndarray]  # the packed sequences, (R, T) each (see the docstring)
     n_sequences: int  # one per (item, choice), in item order
@@ -103,8 +114,9 @@ class Task:
 
 
 def describe(tasks: list[Task]) -> dict[str, dict]:
-    """What the banner says of each task: its items, chance, and forward tokens per scoring."""
-    return {task.name: {"items": len(task.items), "chance": task.chance,
+    """What the banner says of each task: its items and where they come from, chance, and
+    forward tokens per scoring."""
+    return {task.name: {"items": len(task.items), "from": task.origin, "chance": task.chance,
                         "forward_tokens": task.forward_tokens} for task in tasks}
 
 
@@ -118,23 +130,28 @@ def due(cfg, step: int) -> bool:
 
 
 def corpora(cfg) -> list[str]:
-    """The prepared corpora the tasks read (nextline's), which the run prepares first when
-    one is the built-in corpus."""
-    return [path for name, path in config.parse_downstream(cfg.downstream) if name == "nextline"]
+    """The prepared corpora the tasks name (nextline:PATH's), which the run prepares first
+    when one is the built-in corpus."""
+    return [path for name, path in config.parse_downstream(cfg.downstream)
+            if name == "nextline" and path]
 
 
-def load_tasks(cfg, tokenizer_file: str, world: int) -> list[Task]:
-    """Every task of cfg.downstream: read, checked, encoded with the run's tokenizer and
-    packed for `world` ranks, before any compute."""
-    tokenizer = Tokenizer.from_file(tokenizer_file)
+def load_tasks(cfg, data_dir: str, world: int) -> list[Task]:
+    """Every task of cfg.downstream: read, checked, encoded with the run's tokenizer (that
+    of data_dir, its first source) and packed for `world` ranks, before any compute."""
+    tokenizer = Tokenizer.from_file(data.tokenizer_path(data_dir))
     tasks = []
     for name, path in config.parse_downstream(cfg.downstream):
-        items = read_items(name, path)[:cfg.downstream_items]
-        sequences = encode(items, tokenizer, cfg.seq_len, name)
+        if name == "nextline":
+            made, origin = nextline_task(path, data_dir)
+            items, sequences = fitting(made, tokenizer, cfg.seq_len, cfg.downstream_items)
+        else:
+            items, origin = read_items(name, path)[:cfg.downstream_items], path
+            sequences = encoded(items, tokenizer, cfg.seq_len, name)
         rows = pack(sequences, cfg.seq_len)
         per_forward = cfg.micro_batch_size * world  # rows, all ranks together
         forwards = math.ceil(len(rows["input_ids"]) / per_forward)
-        tasks.append(Task(name, items, rows, len(sequences),
+        tasks.append(Task(name, origin, items, rows, len(sequences),
                           forwards * per_forward * cfg.seq_len))
     return tasks
 
@@ -144,8 +161,7 @@ def load_tasks(cfg, tokenizer_file: str, world: int) -> list[Task]:
 # ---------------------------------------------------------------------------------------
 
 def read_items(name: str, path: str) -> list[Item]:
-    if name == "nextline":
-        return nextline_items(path)
+    """A task file's items, read by its name's format (the generic one for any other)."""
     return read_jsonl(path, READERS.get(name, generic_item), name)
 
 
@@ -162,12 +178,31 @@ def read_jsonl(path: str, reader, name: str) -> list[Item]:
             try:
                 items.append(checked(reader(json.loads(line), f"{path}:{number}")))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
-                what = "generic" if reader is generic_item else name
-                raise ValueError(f"{path}:{number}: not a {what} item ({e.__class__.__name__}: "
-                                 f"{e})") from None
+                what = with_article("generic" if reader is generic_item else name)
+                raise ValueError(f"{path}:{number}: not {what} item ({e.__class__.__name__}: "
+                                 f"{e}); {line_format(name, path)}") from None
     if not items:
-        raise ValueError(f"{path}: no items (an empty file); downstream task {name} needs some")
+        raise ValueError(f"{path}: no items (an empty file); downstream task {name} needs "
+                         f"some: put them in it, or drop {name} from --downstream")
     return items
+
+
+def line_format(name: str, path: str) -> str:
+    """What each line of a task's file must hold, for the refusal of one that does not: its
+    format's fields, or where the name is no format's (hellaswg), the generic item, and the
+    format it may have meant."""
+    if name in FIELDS:
+        return (f"each line of {with_article(name)} file holds {FIELDS[name]} (README's "
+                f"In-loop tasks)")
+    close = difflib.get_close_matches(name, [*READERS, "nextline"], n=1)
+    meant = f"; did you mean --downstream={close[0]}:{path}?" if close else ""
+    return (f"{name} is not a format's name ({', '.join([*READERS, 'nextline'])}), so each "
+            f"line must be a generic item, {{\"context\": str, \"choices\": [str, ...], "
+            f"\"gold\": int}}{meant}")
+
+
+def with_article(word: str) -> str:
+    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
 
 
 def checked(item: Item) -> Item:
@@ -180,7 +215,7 @@ def checked(item: Item) -> Item:
         raise ValueError(f"choices must be 2 or more non-empty strings, not {item.choices!r}")
     if type(item.gold) is not int or not 0 <= item.gold < len(item.choices):
         raise ValueError(f"gold {item.gold!r} is not the index of one of the "
-                         f"{len(item.choices)} choices")
+                         f"{len(item.choices)} choices (0 to {len(item.choices) - 1})")
     return item
 
 
@@ -206,8 +241,12 @@ def arc_item(doc: dict, where: str) -> Item:
     if isinstance(question, dict):  # AI2's release nests them under question
         choices = {key: [c[key] for c in question["choices"]] for key in ("text", "label")}
         question = question["stem"]
+    labels = list(choices["label"])
+    if doc["answerKey"] not in labels:
+        raise ValueError(f"answerKey {doc['answerKey']!r} is not one of its choices' labels "
+                         f"{labels}")
     return Item(f"Question: {question}\nAnswer:", list(choices["text"]),
-                list(choices["label"]).index(doc["answerKey"]), where)
+                labels.index(doc["answerKey"]), where)
 
 
 def piqa_item(doc: dict, where: str) -> Item:
@@ -224,19 +263,52 @@ def generic_item(doc: dict, where: str) -> Item:
 
 READERS = {"hellaswag": hellaswag_item, "arc_easy": arc_item, "arc_challenge": arc_item,
            "piqa": piqa_item}
+ARC_FIELDS = ("question (its stem and choices, each a text and a label) and answerKey, as "
+              "AI2's release writes it, or question, choices.text, choices.label and "
+              "answerKey, as the Hub's rows")
+FIELDS = {"hellaswag": "activity_label, ctx_a, ctx_b, endings and label",
+          "arc_easy": ARC_FIELDS, "arc_challenge": ARC_FIELDS,
+          "piqa": "goal, sol1, sol2 and label (valid-labels.lst merged in)"}
 
 
 # ---------------------------------------------------------------------------------------
 # The next-line task, from a corpus's val documents
 # ---------------------------------------------------------------------------------------
 
-def nextline_items(data_dir: str) -> list[Item]:
+def nextline_task(path: str | None, data_dir: str) -> tuple[list[Item], str]:
+    """nextline's items and where they come from, for the banner. `nextline:PATH`: PATH's
+    val documents, or a refusal that says why they cannot serve. Bare `nextline`, the task
+    serves the run it is in: the val documents of its own data (data_dir, its first
+    source), or where those cannot serve (a corpus prepared from a Hugging Face dataset,
+    files moved since, no line to ask about), the built-in corpus's val files, read from
+    the standard library: nothing is prepared for it."""
+    if path:
+        texts = val_documents(path)
+        items = nextline_items(texts)
+        if not items:
+            raise ValueError(f"downstream task nextline:{path}: {path}'s {len(texts):,} val "
+                             f"documents have no line to ask about (one of "
+                             f"{NEXTLINE_MIN_CHARS}+ characters after another, with "
+                             f"{NEXTLINE_CHOICES - 1} lines like it in other val documents); "
+                             f"prepare it with a larger --val_fraction, point it at a larger "
+                             f"corpus, or pass --downstream=nextline ({NEXTLINE_FALLBACK})")
+        return items, f"{path}'s val documents"
+    texts, why, _ = read_back(data.load_manifest(data_dir), data_dir)
+    items = nextline_items(texts)
+    if items:
+        return items, f"{data_dir}'s val documents"
+    why = why or f"{data_dir}'s val documents have no line to ask about"
+    return (nextline_items(prepare.builtin_val_documents()),
+            f"the built-in corpus's val files, read from the standard library ({why})")
+
+
+def nextline_items(documents: list[str]) -> list[Item]:
     """Every line of at least NEXTLINE_MIN_CHARS (after the first of its document) as an
     item, in a seeded order: the context is the lines before it, the choices are "\\n" +
-    the line and 3 lines of similar length from other val documents, the gold at a seeded
+    the line and 3 lines of similar length from other documents, the gold at a seeded
     place. The "\\n" keeps the delimiter's space at the end of the line before, not in the
-    indentation that Python reads."""
-    documents = [text.split("\n") for text in val_documents(data_dir)]
+    indentation that Python reads. No items where no line qualifies."""
+    documents = [text.split("\n") for text in documents]
     pool = sorted((len(line), line, d) for d, lines in enumerate(documents)
                   for line in lines if len(line.strip()) >= NEXTLINE_MIN_CHARS)
     lengths = [length for length, _, _ in pool]
@@ -256,9 +328,6 @@ def nextline_items(data_dir: str) -> list[Item]:
             gold = rng.randrange(NEXTLINE_CHOICES)
             choices.insert(gold, line)
             items.append(Item(context, ["\n" + c for c in choices], gold, f"{d}:{i + 1}"))
-    if not items:
-        raise ValueError(f"downstream task nextline: {data_dir}'s val documents have no line "
-                         f"to ask about; point it at a larger corpus")
     return items
 
 
@@ -272,51 +341,105 @@ def context_before(lines: list[str], i: int) -> str:
 
 
 def val_documents(data_dir: str) -> list[str]:
-    """The texts of a prepared corpus's val documents, in stream order, read again from the
-    files their keys name, as prepare.py read them (prepare.file_documents)."""
-    manifest = data.load_manifest(data_dir)
-    root = Path(manifest["source"].removeprefix("stdlib:"))  # the built-in corpus's root
+    """The texts of a prepared corpus's val documents, in stream order (read_back), or a
+    refusal naming why they cannot be read and what would serve."""
+    try:
+        manifest = data.load_manifest(data_dir, flag="--downstream=nextline:")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"downstream task nextline:{data_dir}: {e}") from None
+    texts, why, fix = read_back(manifest, data_dir)
+    if why:
+        raise ValueError(f"downstream task nextline:{data_dir}: {why}; {fix}, or pass "
+                         f"--downstream=nextline ({NEXTLINE_FALLBACK})")
+    return texts
+
+
+def read_back(manifest: dict, data_dir: str) -> tuple[list[str], str | None, str | None]:
+    """data_dir's val documents, in stream order, read again from the files their keys
+    name, as prepare.py read them (prepare.file_documents); or none, why not, and what
+    would let them be read."""
     keys_file = manifest["splits"]["val"].get("keys")
-    if not root.is_dir() or not keys_file:
-        raise ValueError(f"downstream task nextline:{data_dir}: needs a corpus prepared from "
-                         f"a folder of files, with val_documents.json (source "
-                         f"{manifest['source']!r}); point it at the built-in corpus")
+    if not keys_file:
+        return [], (f"{data_dir} was prepared by an older stacklm, which did not list its val "
+                    f"documents ({data.VAL_KEYS_FILE})"), "prepare it again"
     keys = json.loads((Path(data_dir) / keys_file).read_text())
+    source = manifest["source"]
+    if prepare.from_dataset(source, keys):
+        return [], (f"{data_dir} was prepared from the Hugging Face dataset {source}, and "
+                    f"nextline reads val documents back from local files alone"), \
+            "point it at a corpus prepared from local files"
+    root = prepare.source_root(source)
+    if root is None:
+        return [], (f"{data_dir} was prepared from {source} ({Path(source).resolve()}), which "
+                    f"is not there now, and nextline reads its val documents back from it"), \
+            "put it back there"
     wanted, found, skipped = set(keys), {}, []
     for path in dict.fromkeys(root / prepare.key_file(key) for key in keys):
         found.update((key, text) for key, text in prepare.file_documents(
             path, root, manifest["text_field"], skipped) if key in wanted)
     lost = [key for key in keys if key not in found]
     if lost:
-        why = f" ({skipped[0]['reason']})" if skipped else ""
-        raise ValueError(f"downstream task nextline:{data_dir}: val document {lost[0]} cannot "
-                         f"be read from {root}{why}; the files it was prepared from have "
-                         f"changed")
-    return [found[key] for key in keys]
+        reason = f" ({' '.join(skipped[0]['reason'].split())})" if skipped else ""
+        return [], (f"val document {lost[0]} of {data_dir} cannot be read from {root}{reason}: "
+                    f"the files it was prepared from have changed since"), "restore them"
+    return [found[key] for key in keys], None, None
 
 
 # ---------------------------------------------------------------------------------------
 # Encoding and packing
 # ---------------------------------------------------------------------------------------
 
-def encode(items: list[Item], tokenizer: Tokenizer, seq_len: int,
-           name: str) -> list[tuple[list[int], int]]:
-    """Each (item, choice) as (its last <= T + 1 tokens, how many of them are the
+def encode(items: list[Item], tokenizer: Tokenizer,
+           seq_len: int) -> list[list[tuple[list[int], int]]]:
+    """Each item's choices as (its last <= T + 1 tokens, how many of them are the
     continuation's), by lm-eval's `_encode_pair` and left truncation."""
     pairs = [encode_pair_text(item.context, " " + choice)
              for item in items for choice in item.choices]
     wholes = tokenizer.encode_batch([context + continuation for context, continuation in pairs])
     contexts = tokenizer.encode_batch([context for context, _ in pairs])
-    owners = [item for item in items for _ in item.choices]
     sequences = []
-    for item, whole, context in zip(owners, wholes, contexts, strict=True):
+    for whole, context in zip(wholes, contexts, strict=True):
         continuation = whole.ids[len(context.ids):]
-        if len(continuation) > seq_len:
-            raise ValueError(f"{item.where}: a choice of {len(continuation):,} tokens is longer "
-                             f"than seq_len={seq_len:,} (lm-eval refuses it too); drop the "
-                             f"item from downstream task {name}")
         sequences.append(((context.ids + continuation)[-(seq_len + 1):], len(continuation)))
+    starts = np.cumsum([0] + [len(item.choices) for item in items])
+    return [sequences[a:b] for a, b in zip(starts[:-1], starts[1:])]
+
+
+def encoded(items: list[Item], tokenizer: Tokenizer, seq_len: int,
+            name: str) -> list[tuple[list[int], int]]:
+    """A task file's sequences, item by item; a choice longer than T is refused, as lm-eval
+    refuses it."""
+    sequences = []
+    for item, choices in zip(items, encode(items, tokenizer, seq_len), strict=True):
+        longest = max(n for _, n in choices)
+        if longest > seq_len:
+            raise ValueError(f"{item.where}: a choice of {longest:,} tokens is longer than "
+                             f"seq_len={seq_len:,} (lm-eval refuses it too); drop the item "
+                             f"from downstream task {name}, or raise --seq_len")
+        sequences += choices
     return sequences
+
+
+def fitting(items: list[Item], tokenizer: Tokenizer, seq_len: int,
+            wanted: int | None) -> tuple[list[Item], list[tuple[list[int], int]]]:
+    """nextline's first `wanted` items (None: all) whose every choice fits in T, and their
+    sequences. The task makes its own items, so one that cannot fit the run is not made
+    (a file's is refused: `encoded`). They are encoded `wanted` at a time, so the cost is
+    about the items kept."""
+    kept, sequences, step = [], [], wanted or max(len(items), 1)
+    for start in range(0, len(items), step):
+        chunk = items[start:start + step]
+        for item, choices in zip(chunk, encode(chunk, tokenizer, seq_len), strict=True):
+            if len(kept) < step and all(n <= seq_len for _, n in choices):
+                kept.append(item)
+                sequences += choices
+        if len(kept) == step:
+            break
+    if not kept:
+        raise ValueError(f"downstream task nextline: none of its {len(items):,} items fits "
+                         f"seq_len={seq_len:,} (each choice is a whole line); raise "
+                         f"--seq_len, or drop nextline from --downstream")
+    return kept, sequences
 
 
 def encode_pair_text(context: str, continuation: str) -> tuple[str, str]:

@@ -32,15 +32,19 @@ logits are off by ~0.16). The folder holds config.json (with rope_theta and
 rope_parameters, which transformers 4.57 and 5 read respectively), generation_config.json,
 model.safetensors (the tied embedding written once), and a tokenizer that 4.57 and 5 load.
 
-Every file is written into a `.tmp` folder; when it is complete, the old export is removed
-and the `.tmp` folder renamed in its place.
+Every file is written into a scratch folder beside the export's (`export.tmp`,
+`export-hf.tmp`); when all are written, each replaces the file of its name in the export's
+folder. An export replaces the files its format writes (STACKLM_FILES, HF_FILES: an
+earlier export's, or a file of that name), removes one of them that this export does not
+write (modeling_stacklm.py, for a shape that needs none), and touches nothing else in the
+folder: what a user keeps there (lm-eval's results, a model card) stays.
 
 Imports from stacklm: checkpoint, cli, config, data, log and model: it composes them.
 """
 
-import argparse
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -50,11 +54,16 @@ from safetensors.torch import save_file
 import checkpoint
 import data
 import log
-from cli import user_errors
+from cli import ArgumentParser, user_errors
 from config import StackConfig, parse_mixture
 from model import Transformer
 
 MODELING_FILE = Path(__file__).resolve().parent / "hf_modeling_stacklm.py"
+# The files each format writes: the only ones an export replaces or removes in its folder.
+STACKLM_FILES = ("model.pt", "config.json", "tokenizer.json", "provenance.json")
+HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json", "special_tokens_map.json", "modeling_stacklm.py",
+            "provenance.json")
 
 
 def export(out_dir, fmt: str = "stacklm", resume: str = "auto",
@@ -66,21 +75,23 @@ def export(out_dir, fmt: str = "stacklm", resume: str = "auto",
     if ckpt is None:
         raise FileNotFoundError(f"no checkpoint in {checkpoint.ckpt_root(out_dir)} to export; "
                                 f"train first, or pass --resume PATH to a checkpoint folder")
+    folder = Path(out_dir) / ("export-hf" if fmt == "hf" else "export")
+    check_folder(folder, HF_FILES if fmt == "hf" else STACKLM_FILES)
     state = checkpoint.read_train_state(ckpt)
     model_cfg = checkpoint_model(ckpt, state)
     source = parse_mixture(data_dir or state["config"]["data_dir"])[0][0]  # one tokenizer
-    tokenizer = trained_tokenizer(ckpt, state, source)
+    tokenizer = trained_tokenizer(ckpt, state, source, given=data_dir is not None)
     weights = checkpoint.read_model(ckpt, Transformer(model_cfg))
     provenance = {"checkpoint": str(ckpt), "step": state["step"],
                   "trained_by": state["revision"], "exported_by": log.code_revision()}
     if fmt == "hf":
-        out = write_hf(Path(out_dir) / "export-hf", weights, model_cfg, tokenizer,
+        out = write_hf(folder, weights, model_cfg, tokenizer,
                        data.load_manifest(source)["eos_id"], provenance)
         remote = ", trust_remote_code=True" if needs_remote_code(model_cfg) else ""
         print(f"exported {ckpt} to {out} as {architecture(model_cfg)}; load it with "
               f"transformers' AutoModelForCausalLM.from_pretrained({str(out)!r}{remote})")
         return out
-    out = write_stacklm(Path(out_dir) / "export", weights, model_cfg, tokenizer, provenance)
+    out = write_stacklm(folder, weights, model_cfg, tokenizer, provenance)
     print(f"exported {ckpt} to {out}; try: python sample.py --export {out}")
     return out
 
@@ -95,31 +106,70 @@ def checkpoint_model(ckpt: Path, state: dict) -> StackConfig:
                          f"wrote") from None
 
 
-def trained_tokenizer(ckpt: Path, state: dict, data_dir: str) -> str:
+def trained_tokenizer(ckpt: Path, state: dict, data_dir: str, given: bool) -> str:
     """data_dir's tokenizer file, after checking it is the one checkpoint `ckpt` was trained
-    with: a directory prepared again at the same path must not slip another in. A
-    checkpoint from before mixtures recorded only the data's whole fingerprint."""
+    with: a directory prepared again at the same path, or another corpus `given` as
+    --data_dir, must not slip another in. A checkpoint from before mixtures recorded only
+    the data's whole fingerprint."""
+    trained_on = parse_mixture(state["config"]["data_dir"])[0][0]
+    if given and not Path(data_dir).is_dir():
+        raise FileNotFoundError(f"--data_dir {data_dir} does not exist; pass the folder the "
+                                f"data {ckpt} trained on ({trained_on}) was moved or copied to")
     path = data.tokenizer_path(data_dir)  # the file matches data_dir's own manifest
     manifest = data.load_manifest(data_dir)
     if state["tokenizer_sha256"] is not None:
         same = manifest["tokenizer"]["sha256"] == state["tokenizer_sha256"]
     else:
         same = data.fingerprint(manifest) == state.get("data_sha256")
-    if not same:
-        raise ValueError(f"{path} is not the tokenizer {ckpt} was trained with ({data_dir} "
-                         f"was prepared again since); restore that data directory, or pass "
-                         f"--data_dir a copy that holds the original tokenizer")
-    return path
+    if same:
+        return path
+    if given:
+        raise ValueError(f"--data_dir {data_dir}: {path} is not the tokenizer {ckpt} was "
+                         f"trained with (it trained on {trained_on}); pass --data_dir a copy "
+                         f"of {trained_on} as it was, or drop --data_dir if {trained_on} is "
+                         f"unchanged")
+    raise ValueError(f"{path} is not the tokenizer {ckpt} was trained with ({data_dir} "
+                     f"was prepared again since); restore that data directory, or pass "
+                     f"--data_dir a copy that holds the original tokenizer")
 
 
-def write_folder(folder: Path, write) -> Path:
-    """Call write(tmp) on an empty `folder`.tmp, then put it in place of `folder`."""
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+def check_folder(folder: Path, names: tuple[str, ...]):
+    """Before any work: the export's folder must be a folder (or absent), and a scratch
+    folder a killed export left beside it must hold the export's files alone, for they go."""
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"{folder} is a file, not the folder export.py writes; move "
+                                 f"it elsewhere")
+    scratch = scratch_of(folder)
+    others = sorted(p.name for p in scratch.iterdir() if p.name not in names) \
+        if scratch.is_dir() else []
+    if others:
+        raise ValueError(f"{scratch} is export.py's scratch folder, and holds files an export "
+                         f"does not write ({', '.join(others)}); move them elsewhere")
+
+
+def scratch_of(folder: Path) -> Path:
+    return folder.with_name(folder.name + ".tmp")
+
+
+def write_folder(folder: Path, names: tuple[str, ...], write) -> Path:
+    """Call write(tmp) on an empty scratch folder beside `folder`, then move each file it
+    wrote into `folder`, replacing the file of that name; one of `names` (the format's
+    files) it did not write is removed from `folder`. Any other file there is left as it
+    is: a user's, never the export's. check_folder vetted both folders."""
+    tmp = scratch_of(folder)
+    if tmp.is_dir():  # a killed export's: its files go
+        for name in names:
+            (tmp / name).unlink(missing_ok=True)
+        tmp.rmdir()
     tmp.mkdir(parents=True)
     write(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
+    folder.mkdir(exist_ok=True)
+    for name in names:
+        if (tmp / name).exists():
+            os.replace(tmp / name, folder / name)
+        else:
+            (folder / name).unlink(missing_ok=True)
+    tmp.rmdir()
     return folder
 
 
@@ -131,7 +181,7 @@ def write_stacklm(folder: Path, weights: dict, cfg: StackConfig, tokenizer_file,
         (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
         (tmp / "provenance.json").write_text(json.dumps(provenance, indent=1))
         shutil.copy(tokenizer_file, tmp / "tokenizer.json")
-    return write_folder(folder, write)
+    return write_folder(folder, STACKLM_FILES, write)
 
 
 # ---------------------------------------------------------------------------------------
@@ -220,11 +270,11 @@ def write_hf(folder, weights: dict, cfg: StackConfig, tokenizer_file, eos_id: in
         (tmp / "provenance.json").write_text(json.dumps(provenance, indent=1))
         if config.get("auto_map"):
             shutil.copy(MODELING_FILE, tmp / "modeling_stacklm.py")
-    return write_folder(Path(folder), write)
+    return write_folder(Path(folder), HF_FILES, write)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description="Export a training checkpoint: OUT_DIR/export/ for sample.py, or "
                     "OUT_DIR/export-hf/ for transformers.")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="the run's out_dir (holds ckpt/)")
@@ -237,9 +287,24 @@ def main(argv=None):
                         help="where the checkpoint's data (its tokenizer) now is, if it moved")
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error, not just its message")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     with user_errors(args.debug):
+        if unknown:
+            raise ValueError(not_an_export_flag(unknown[0]))
         export(args.out_dir, args.format, args.resume, args.data_dir)
+
+
+def not_an_export_flag(flag: str) -> str:
+    """Why export.py refuses a flag that train.py takes (or another unknown one)."""
+    if flag.startswith("--model."):
+        return (f"{flag}: export.py takes no model flags: the model's shape comes from the "
+                f"checkpoint's own train_state.json, so nothing can describe its weights "
+                f"wrongly; drop it")
+    if flag.partition("=")[0] == "--force":
+        return ("--force: export.py needs none: it replaces the files of its own earlier "
+                "export, and no other file in the folder; drop it")
+    return (f"unrecognized argument {flag}: export.py takes OUT_DIR, --format, --resume, "
+            f"--data_dir and --debug (`export.py --help`)")
 
 
 if __name__ == "__main__":

@@ -310,11 +310,12 @@ def eval_coverage(cfg, val_windows: dict[str, int]) -> list[str]:
 
 
 def downstream_coverage(cfg, tasks: dict[str, dict]) -> str:
-    """What each scoring costs and what chance is, e.g. `downstream every 100 steps:
-    nextline 100 items (chance 0.250); 102,400 forward tokens per scoring, ~8.3% of the
-    training compute between scorings` (forward_share)."""
+    """Where each task's items come from, what each scoring costs and what chance is, e.g.
+    `downstream every 100 steps: nextline 100 items from data/stdlib-4k's val documents
+    (chance 0.250); 102,400 forward tokens per scoring, ~8.3% of the training compute
+    between scorings` (forward_share)."""
     every = cfg.downstream_every or cfg.eval_every
-    parts = [f"{name} {task['items']:,} items (chance {task['chance']:.3f})"
+    parts = [f"{name} {task['items']:,} items from {task['from']} (chance {task['chance']:.3f})"
              for name, task in tasks.items()]
     tokens = sum(task["forward_tokens"] for task in tasks.values())
     return (f"downstream every {every:,} steps: {'; '.join(parts)}; {tokens:,} forward tokens "

@@ -47,7 +47,7 @@ def check(cfg, accelerator, force: bool) -> Plan:
         if accelerator.is_main_process:
             prepare.ensure_builtin(sources + downstream.corpora(cfg), cfg.model.vocab_size)
     manifests = data.check_sources(sources, cfg.model.vocab_size)
-    tasks = downstream.load_tasks(cfg, data.tokenizer_path(sources[0]), accelerator.num_processes)
+    tasks = downstream.load_tasks(cfg, sources[0], accelerator.num_processes)
     evaluated = data.val_shares(stages, manifests)  # sources with a val split, by weight
     plan = config.data_plan(cfg, stages, {d: data.windows_per_epoch(m, "train", cfg.seq_len)
                                           * cfg.seq_len for d, m in manifests.items()})

@@ -39,7 +39,6 @@ checkpoint (set_aside: a built-in corpus it cannot use is renamed, as a damaged 
 is).
 """
 
-import argparse
 import collections
 import contextlib
 import glob
@@ -60,11 +59,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
 from checkpoint import set_aside
-from cli import user_errors
+from cli import ArgumentParser, user_errors
 from data import (EOS_TOKEN, FORMAT_VERSION, MANIFEST, TOKENIZER_FILE, VAL_KEYS_FILE,
                   token_dtype, verify)
 
 DEFAULT_SHARD_TOKENS = 2**26  # 128 MiB of uint16 per file
+DEFAULT_VAL_FRACTION = 0.01  # the built-in corpus's too (builtin_val_documents relies on it)
 # The tokenizer's training sample, in characters. nanochat trains on 2B; 1B keeps the
 # trainer's word counts within a few GB. It exceeds the built-in corpus (~31.5M), so the
 # built-in data, and every figure measured on it, is trained on all of its train split.
@@ -86,7 +86,7 @@ LOCAL_SUFFIXES = {".txt", ".jsonl", ".json", ".parquet", ".py", ".md"}
 # ---------------------------------------------------------------------------------------
 
 def prepare(source=None, out_dir=None, vocab_size=32768, tokenizer=None, text_field="text",
-            shard_tokens=DEFAULT_SHARD_TOKENS, val_fraction=0.01, max_tokens=None,
+            shard_tokens=DEFAULT_SHARD_TOKENS, val_fraction=DEFAULT_VAL_FRACTION, max_tokens=None,
             tokenizer_chars=DEFAULT_TOKENIZER_CHARS, subset=None, split="train") -> dict:
     """Tokenize a corpus into out_dir and return its manifest. source None is the built-in
     standard-library corpus; tokenizer is a tokenizer.json to reuse instead of training;
@@ -105,10 +105,9 @@ def prepare(source=None, out_dir=None, vocab_size=32768, tokenizer=None, text_fi
     reused = check_reused_tokenizer(tokenizer) if tokenizer else None
     source_name = source or f"stdlib:{root}"
     corpus = Corpus(source, root, files, text_field, subset, split)
-    if next(corpus.documents([]), None) is None:
-        raise ValueError(f"empty corpus: {source_name} has no readable, non-blank document "
-                         f"(files that are not UTF-8 are skipped); check --source and "
-                         f"--text_field")
+    skipped = []
+    if next(corpus.documents(skipped), None) is None:
+        raise ValueError(empty_corpus(source_name, skipped))
     with building(out_dir) as build:
         manifest, tokenizer_s = write_dataset(build, corpus, source_name, vocab_size, reused,
                                               tokenizer, shard_tokens, val_fraction, max_tokens,
@@ -170,6 +169,19 @@ def write_dataset(build: Path, corpus, source_name, vocab_size, reused, tokenize
                 "splits": splits, "skipped_files": skipped}
     write_atomic(build / MANIFEST, json.dumps(manifest, indent=1).encode())
     return manifest, tokenizer_s
+
+
+def empty_corpus(source_name: str, skipped: list[dict]) -> str:
+    """Why a source gave no document: what was skipped, the first reason said (a damaged
+    file's own error, on one line), or else that every document was blank."""
+    if not skipped:
+        return (f"empty corpus: every document of {source_name} is blank; check --source and "
+                f"--text_field")
+    more = f", and {len(skipped) - 1:,} more" if len(skipped) > 1 else ""
+    reason = " ".join(skipped[0]["reason"].split())
+    return (f"empty corpus: {source_name} has no readable, non-blank document (skipped "
+            f"{skipped[0]['file']}: {reason}{more}); replace what cannot be read, or check "
+            f"--source and --text_field")
 
 
 def check_numbers(vocab_size, shard_tokens, val_fraction, max_tokens, tokenizer_chars):
@@ -278,6 +290,15 @@ def ensure_builtin(sources: list[str], vocab_size: int):
     prepare(out_dir=str(builtin), vocab_size=vocab_size)
 
 
+def builtin_val_documents() -> list[str]:
+    """The built-in corpus's val documents, in stream order, read from the standard library
+    itself: the texts the val_documents.json of every data/stdlib-* directory lists (a hash
+    of each file's name picks the split, whatever the vocabulary), with nothing prepared."""
+    root, files = stdlib_files()
+    val = [p for p in files if is_val(p.relative_to(root).as_posix(), DEFAULT_VAL_FRACTION)]
+    return [text for _, text in Corpus(None, root, val, "text").documents([])]
+
+
 def stdlib_files() -> tuple[Path, list[Path]]:
     """The standard library's own .py files: always present, so the default run needs no
     download. Installed packages (site-packages) differ between machines and are left out."""
@@ -294,8 +315,7 @@ def find_source(source: str | None) -> tuple[Path | None, list[Path]]:
     path = Path(source)
     if path.is_file():
         return path.parent, [path]
-    saved_dataset = (path / "state.json").exists() or (path / "dataset_dict.json").exists()
-    if path.is_dir() and not saved_dataset:  # those two files mark a HF `save_to_disk` folder
+    if path.is_dir() and not is_saved_dataset(path):
         files = sorted(p for p in path.rglob("*") if p.is_file()
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if not files:
@@ -317,6 +337,36 @@ def find_source(source: str | None) -> tuple[Path | None, list[Path]]:
                          f"would be read as a Hugging Face dataset, but the optional `datasets` "
                          f"package is not installed; `pip install datasets` or fix the path")
     return None, []
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """A Hugging Face `save_to_disk` folder: one of these two files marks it."""
+    return (path / "state.json").exists() or (path / "dataset_dict.json").exists()
+
+
+def source_root(source: str) -> Path | None:
+    """The folder a prepared local source's document keys are relative to (find_source's
+    root; the built-in corpus's, from its `stdlib:ROOT`), found again where the source is;
+    None where nothing of it is there now."""
+    if source.startswith("stdlib:"):
+        root = Path(source.removeprefix("stdlib:"))
+        return root if root.is_dir() else None
+    try:
+        root, files = find_source(source)
+    except (OSError, ValueError):
+        return None
+    return root if files else None
+
+
+def from_dataset(source: str, keys: list[str]) -> bool:
+    """Whether a corpus prepared from `source`, whose documents have these keys, came from a
+    Hugging Face dataset (hf_documents' keys are SOURCE:N), not from local files (keys are
+    paths under the source's folder), even where the source is no longer there."""
+    if is_saved_dataset(Path(source)):
+        return True
+    if Path(source).exists() or looks_local(source) or any(c in source for c in "*?["):
+        return False
+    return bool(keys) and all(key.rpartition(":")[0] == source for key in keys)
 
 
 def looks_local(source: str) -> bool:
@@ -373,7 +423,7 @@ class Corpus:
         """Every non-blank document as (key, text), in a fixed order, streamed; what cannot
         be read is recorded in `skipped`."""
         if self.root is None:
-            stream = hf_documents(self.source, self.text_field, self.subset, self.split)
+            stream = hf_documents(self.source, self.text_field, self.subset, self.split, skipped)
         else:
             stream = (doc for path in self.files
                       for doc in file_documents(path, self.root, self.text_field, skipped))
@@ -427,23 +477,46 @@ def parquet_documents(path: Path, key: str, text_field: str, skipped: list):
     """Row N (from 0, across the file's row groups) is document `key:N`. Only the text
     column is read (check_parquet made sure there is one), a row group at a time, and
     handed on PARQUET_BATCH_ROWS rows at a time: memory holds the larger of one group and
-    one batch, never the file's column. A file pyarrow cannot read is skipped (from the
-    bad row group on), and so is a null row."""
+    one batch, never the file's column. What pyarrow cannot read is skipped and recorded:
+    a file whose footer it cannot read, whole; a damaged row group, from the first row not
+    yet read to the group's end (the footer says where each group starts, so the rows of
+    the groups after it keep their numbers); and a null row."""
     import pyarrow  # optional: check_parquet refused a parquet source without it
     import pyarrow.parquet
 
     try:
         # pre_buffer (pyarrow's default) would read the whole file's column before row 0
-        with pyarrow.parquet.ParquetFile(path, pre_buffer=False) as parquet:
-            batches = parquet.iter_batches(PARQUET_BATCH_ROWS, columns=[text_field])
-            rows = (text for batch in batches for text in batch.column(0).to_pylist())
-            for row, document in enumerate(rows):
-                if document is None:
-                    skipped.append({"file": f"{path}:{row}", "reason": f"{text_field!r} is null"})
-                    continue
-                yield f"{key}:{row}", document
+        parquet = pyarrow.parquet.ParquetFile(path, pre_buffer=False)
     except pyarrow.ArrowException as e:
         skipped.append({"file": str(path), "reason": f"{type(e).__name__}: {e}"})
+        return
+    with parquet:
+        first = 0  # the file's row number of the group's first row
+        for group in range(parquet.num_row_groups):
+            yield from row_group_documents(parquet, group, first, path, key, text_field,
+                                           skipped)
+            first += parquet.metadata.row_group(group).num_rows
+
+
+def row_group_documents(parquet, group: int, first: int, path: Path, key: str,
+                        text_field: str, skipped: list):
+    """One row group's documents (parquet_documents), its rows numbered from `first`."""
+    import pyarrow
+
+    row, end = first, first + parquet.metadata.row_group(group).num_rows
+    try:
+        for batch in parquet.iter_batches(PARQUET_BATCH_ROWS, row_groups=[group],
+                                          columns=[text_field]):
+            for document in batch.column(0).to_pylist():
+                if document is None:
+                    skipped.append({"file": f"{path}:{row}", "reason": f"{text_field!r} is null"})
+                else:
+                    yield f"{key}:{row}", document
+                row += 1
+    except (OSError, pyarrow.ArrowException) as e:  # a damaged page: pyarrow raises either
+        skipped.append({"file": f"{path}:{row}-{end - 1}",
+                        "reason": f"row group {group} cannot be read from row {row} on "
+                                  f"({type(e).__name__}: {e})"})
 
 
 def text_bytes(path: Path, text_field: str) -> int:
@@ -479,10 +552,13 @@ def txt_documents(path: Path, key: str):
         yield f"{key}:{i}", tail
 
 
-def hf_documents(source: str, text_field: str, subset: str | None, split: str):
+def hf_documents(source: str, text_field: str, subset: str | None, split: str,
+                 skipped: list):
     """Yield (key, text) from a Hugging Face dataset: a directory written by `save_to_disk`,
     or a hub name with its subset (`load_dataset`'s `name`) and split, streamed so a large
-    corpus is never held in memory."""
+    corpus is never held in memory. The rule of a parquet source: a null row is skipped
+    and recorded in `skipped`; a field that is not text is refused before any work, from
+    the dataset's features (or at its first row, where a stream does not declare them)."""
     import datasets  # optional: only this source kind needs it
 
     if Path(source).is_dir():
@@ -500,11 +576,28 @@ def hf_documents(source: str, text_field: str, subset: str | None, split: str):
                              f"of splits; drop --split")
     else:
         dataset = datasets.load_dataset(source, name=subset, split=split, streaming=True)
+    if dataset.features is not None:
+        check_text_field(source, text_field, dataset.features)
     for i, row in enumerate(dataset):
-        if text_field not in row:
-            raise ValueError(f"dataset {source!r} has no field {text_field!r} (fields: "
-                             f"{sorted(row)}); pass --text_field")
-        yield f"{source}:{i}", row[text_field]
+        text = row.get(text_field)
+        if text_field not in row or not isinstance(text, (str, type(None))):
+            check_text_field(source, text_field, {name: type(value).__name__
+                                                  for name, value in row.items()})
+        if text is None:
+            skipped.append({"file": f"{source}:{i}", "reason": f"{text_field!r} is null"})
+            continue
+        yield f"{source}:{i}", text
+
+
+def check_text_field(source: str, text_field: str, features: dict):
+    """A dataset's text_field must be a string column, as a parquet file's must: refused,
+    naming the fields and their types, where it is not. `features` maps each field to its
+    datasets feature (a Value's dtype is "string" for text) or a row value's type name."""
+    kinds = {name: getattr(feature, "dtype", feature) for name, feature in features.items()}
+    if kinds.get(text_field) not in ("string", "large_string"):
+        fields = ", ".join(f"{name} ({kind})" for name, kind in kinds.items())
+        raise ValueError(f"dataset {source} has no text field {text_field!r} (its fields: "
+                         f"{fields}); pass --text_field naming the field of documents")
 
 
 def val_point(key: str) -> float:
@@ -686,7 +779,7 @@ def done(writers: dict, max_tokens: int | None) -> bool:
 # ---------------------------------------------------------------------------------------
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description="Prepare token shards for stacklm (default: the Python standard "
                     "library's .py files, no download), or verify a prepared directory.")
     parser.add_argument("--source", help="a directory of files, a file (.txt, .jsonl, "
@@ -706,7 +799,7 @@ def main(argv=None):
                              "datasets (default text)")
     parser.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS,
                         help=f"tokens per shard file (default {DEFAULT_SHARD_TOKENS:,})")
-    parser.add_argument("--val_fraction", type=float, default=0.01,
+    parser.add_argument("--val_fraction", type=float, default=DEFAULT_VAL_FRACTION,
                         help="share of documents, picked by a hash of their name, for val "
                              "(default 0.01)")
     parser.add_argument("--max_tokens", type=int_with_underscores, default=None,

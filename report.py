@@ -31,7 +31,6 @@ torch). It reads JSON and draws with matplotlib (a bare Figure, rendered by Agg:
 display, no pyplot state).
 """
 
-import argparse
 import json
 import math
 import os
@@ -44,7 +43,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 import config
-from cli import user_errors
+from cli import ArgumentParser, user_errors
 
 REFERENCE = Path(__file__).resolve().parent / "reference" / "tiny"
 # Knobs that change nothing a run computes before its sample, or only which seed it draws:
@@ -87,39 +86,50 @@ class RunLog:
 def read_run(out_dir, seen: frozenset = frozenset()) -> RunLog:
     """The run in out_dir, from its metrics.jsonl; a ValueError when there is none."""
     path = Path(out_dir).resolve()
-    records, warning = read_lines(path / "metrics.jsonl")
-    run = RunLog(path, warnings=[warning] if warning else [])
+    if path.is_file():
+        raise NotADirectoryError(f"{out_dir} is a file; report.py reads a run's out_dir, the "
+                                 f"folder that holds metrics.jsonl: python report.py "
+                                 f"{Path(out_dir).parent}")
+    records, bad = read_lines(path / "metrics.jsonl")
+    run = RunLog(path, warnings=[f"{path / 'metrics.jsonl'}: {lines_named(bad)} cannot be "
+                                 f"read (cut short by a kill -9?); reported without "
+                                 f"{'them' if len(bad) > 1 else 'it'}"] if bad else [])
     for record in records:
         add(run, record)
     if not run.starts:
-        raise ValueError(f"{path / 'metrics.jsonl'}: no start record, so not a log of this "
-                         f"version of train.py (each start of a run writes one first)")
+        unread = f" ({lines_named(bad)} cannot be read)" if bad else ""
+        raise ValueError(f"{path / 'metrics.jsonl'}: no start record{unread}, so not a log "
+                         f"of this version of train.py (each start of a run writes one "
+                         f"first); give the out_dir of a run train.py wrote")
     inherit(run, seen | {path})
     return run
 
 
-def read_lines(metrics: Path) -> tuple[list[dict], str | None]:
-    """Every record that parses, and one warning naming the lines that do not."""
+def read_lines(metrics: Path) -> tuple[list[dict], list[int]]:
+    """Every record that parses, and the numbers of the lines that do not."""
     try:
-        text = metrics.read_text()
+        lines = metrics.read_bytes().splitlines()
     except FileNotFoundError:
         raise ValueError(f"{metrics.parent}: no metrics.jsonl, so nothing to report; give "
                          f"the out_dir of a run (train.py writes metrics.jsonl there)") from None
     records, bad = [], []
-    for number, line in enumerate(text.splitlines(), 1):
-        try:
-            record = json.loads(line, parse_constant=not_json)
+    for number, line in enumerate(lines, 1):
+        try:  # a line that is not UTF-8 (a binary file) is unreadable as one cut short is
+            record = json.loads(line.decode("utf-8"), parse_constant=not_json)
         except ValueError:
             record = None
         if isinstance(record, dict) and "kind" in record and "step" in record:
             records.append(record)
         elif line.strip():
             bad.append(number)
-    if not bad:
-        return records, None
-    lines = f"line{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
-    return records, (f"{metrics}: {lines} cannot be read (cut short by a kill -9?); "
-                     f"reported without {'them' if len(bad) > 1 else 'it'}")
+    return records, bad
+
+
+def lines_named(numbers: list[int]) -> str:
+    """`line 7`, `lines 3, 9`, or past five, `lines 1, 2, 3, 4, 5 and 21 more`."""
+    listed = ", ".join(map(str, numbers[:5])) + (f" and {len(numbers) - 5:,} more"
+                                                 if len(numbers) > 5 else "")
+    return f"line{'s' if len(numbers) > 1 else ''} {listed}"
 
 
 def not_json(constant: str):
@@ -666,7 +676,7 @@ def write(folders: list, out: Path | None = None) -> tuple[Path, str | None, lis
 
 
 def cli(argv=None):
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description="Write report.md and report.png from a run's out_dir (its metrics.jsonl "
                     "alone), or compare several runs in one figure and table.")
     parser.add_argument("folders", nargs="+", metavar="OUT_DIR", help="a run's out_dir")
@@ -681,6 +691,9 @@ def cli(argv=None):
         if len(args.folders) > 1 and not args.out:
             raise ValueError(f"comparing {len(args.folders)} runs needs --out DIR, a folder "
                              f"for the comparison's report.md and report.png")
+        if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+            raise NotADirectoryError(f"--out {args.out} is a file; give a folder for "
+                                     f"report.md and report.png (made if missing)")
         out, verdict, warnings = write(args.folders, args.out)
         if args.quiet:
             return

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from cli import user_errors
+from cli import ArgumentParser, user_errors
 from config import StackConfig
 from model import TEMPERATURE, TOP_K, Transformer, complete
 
@@ -84,8 +84,8 @@ def how_to_export(export: Path) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Sample completions from an exported model.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(description="Sample completions from an exported model.",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--export", required=True, help="directory written by export.py")
     parser.add_argument("--prompt", default="\n", help="text to complete")
     parser.add_argument("--max_new_tokens", type=int, default=128,

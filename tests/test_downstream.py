@@ -7,6 +7,7 @@ shares against a one-rank scoring; and each bad input refused in one line."""
 import bisect
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +16,12 @@ import numpy as np
 import pytest
 import torch
 from matplotlib.colors import to_rgba
+from tokenizers import Tokenizer
 
+import config
 import downstream
 import export
+import prepare
 import report
 import train
 from conftest import micro_config
@@ -39,6 +43,10 @@ GENERIC = [
     {"context": "x = {'a': 1}\nprint(x['", "choices": ["a'])", "b'])", "ü'])"], "gold": 0},
     {"context": "while True:\n", "choices": ["    break", "break", "\tcontinue"], "gold": 0},
 ]
+
+
+HELLASWAG_LINE = json.dumps({"activity_label": "a", "ctx_a": "b", "ctx_b": "c",
+                             "endings": ["d", "e"], "label": 1})
 
 
 def write_jsonl(path: Path, docs: list) -> Path:
@@ -89,14 +97,15 @@ def test_in_loop_scores_equal_a_transformers_scorer_item_by_item(small_data_dir,
                        downstream=tasks, downstream_items=6)
     final = train.main(cfg)
     printed = capsys.readouterr().out
-    assert re.search(r"downstream every 4 steps: mine 6 items \(chance 0\.339\); nextline 6 "
-                     r"items \(chance 0\.250\); [\d,]+ forward tokens per scoring", printed)
+    assert re.search(r"downstream every 4 steps: mine 6 items from .*mine\.jsonl \(chance "
+                     r"0\.339\); nextline 6 items from .*small's val documents \(chance "
+                     r"0\.250\); [\d,]+ forward tokens per scoring", printed)
     assert re.search(r"eval      4 \|.* \| mine acc [\d.]+ acc_norm [\d.]+ \(chance 0\.339\)",
                      printed)
     export.main([str(tmp_path / "run"), "--format", "hf"])
     model = Transformer(cfg.model).eval()
     model.load_state_dict(checkpoint_weights(cfg, 4))
-    mine, nextline = downstream.load_tasks(cfg, str(Path(small_data_dir) / "tokenizer.json"), 1)
+    mine, nextline = downstream.load_tasks(cfg, small_data_dir, 1)
     assert (mine.rows["seq_ids"] > 0).any()  # packed: the masking is what the oracle checks
     assert (nextline.rows["position_ids"] == 63).any()  # and left truncation to seq_len 64
     for task in (mine, nextline):
@@ -131,7 +140,7 @@ def test_the_last_step_is_scored_when_it_falls_between_scorings(small_data_dir, 
     assert [r["step"] for r in evals if "acc/mine" in r] == [0, 4, 6]
     model = Transformer(cfg.model).eval()
     model.load_state_dict(checkpoint_weights(cfg, 6))
-    [task] = downstream.load_tasks(cfg, str(Path(small_data_dir) / "tokenizer.json"), 1)
+    [task] = downstream.load_tasks(cfg, small_data_dir, 1)
     forwards = []
     model.register_forward_hook(lambda *_: forwards.append(1))
     with torch.no_grad():
@@ -148,7 +157,8 @@ def test_the_last_step_is_scored_when_it_falls_between_scorings(small_data_dir, 
         assert f"{line}\n" in printed
     assert report.results(report.read_run(tmp_path / "run"))["tasks"]["mine"]["step"] == 6
     tokens = len(forwards) * cfg.micro_batch_size * cfg.seq_len
-    assert f"downstream every 4 steps: mine 6 items (chance 0.339); {tokens:,} forward tokens " \
+    assert f"downstream every 4 steps: mine 6 items from {path} (chance 0.339); {tokens:,} " \
+           f"forward tokens " \
            f"per scoring, ~{tokens / 3 / (4 * 512):.1%} of the training compute between " \
            f"scorings\n" in printed
 
@@ -157,7 +167,6 @@ def test_each_rank_scores_its_share_and_every_sequence_counts_once(small_data_di
     """The ranks' vectors, summed, equal one rank's, at 2 and 3 ranks; every rank runs the
     same number of forwards (FSDP2 needs all of them in each)."""
     path = write_jsonl(tmp_path / "mine.jsonl", GENERIC)
-    tokenizer = str(Path(small_data_dir) / "tokenizer.json")
     cfg = micro_config(small_data_dir, str(tmp_path), downstream=f"mine:{path}",
                        micro_batch_size=2, global_batch_tokens=256)
     torch.manual_seed(0)
@@ -165,10 +174,10 @@ def test_each_rank_scores_its_share_and_every_sequence_counts_once(small_data_di
     forwards = []
     model.register_forward_hook(lambda *_: forwards.append(1))
     with torch.no_grad():
-        one = downstream.loglikelihoods(downstream.load_tasks(cfg, tokenizer, 1)[0], model,
+        one = downstream.loglikelihoods(downstream.load_tasks(cfg, small_data_dir, 1)[0], model,
                                         torch.device("cpu"), 2, 0, 1)
         for world in (2, 3):
-            [task] = downstream.load_tasks(cfg, tokenizer, world)
+            [task] = downstream.load_tasks(cfg, small_data_dir, world)
             shares, counts = [], []
             for rank in range(world):
                 forwards.clear()
@@ -216,14 +225,27 @@ def test_each_format_reads_items_as_lm_eval_builds_them(tmp_path):
     ("mine", ['{"context": "a", "choices": ["b", "c"], "gold": 0}', "", "{not json"],
      r"task\.jsonl:3: not a generic item \(JSONDecodeError"),
     ("hellaswag", ['{"activity_label": "a", "ctx_a": "b", "ctx_b": "c", "endings": ["d"]}'],
-     r"task\.jsonl:1: not a hellaswag item \(KeyError: 'label'\)"),
+     r"task\.jsonl:1: not a hellaswag item \(KeyError: 'label'\); each line of a hellaswag "
+     r"file holds activity_label, ctx_a, ctx_b, endings and label"),
     ("mine", ['{"context": "a", "choices": ["b", "c"], "gold": 2}'],
-     r"task\.jsonl:1: .*gold 2 is not the index of one of the 2 choices"),
+     r"task\.jsonl:1: .*gold 2 is not the index of one of the 2 choices \(0 to 1\)"),
+    ("hellaswg", [HELLASWAG_LINE],  # a misspelt format: read as generic, and it says so
+     r"task\.jsonl:1: not a generic item \(KeyError: 'context'\); hellaswg is not a format's "
+     r"name \(hellaswag, arc_easy, arc_challenge, piqa, nextline\), so each line must be a "
+     r"generic item, .*; did you mean --downstream=hellaswag:.*task\.jsonl\?"),
+    ("arc_easy", [json.dumps({"question": {"stem": "Which?", "choices": [
+        {"text": "a", "label": "A"}, {"text": "b", "label": "B"}]}, "answerKey": "E"})],
+     r"task\.jsonl:1: not an arc_easy item \(ValueError: answerKey 'E' is not one of its "
+     r"choices' labels \['A', 'B'\]\); each line of an arc_easy file holds question"),
     ("piqa", ['{"goal": "a", "sol1": "b", "sol2": "c"}'],
      r"task\.jsonl:1: .*merge valid-labels\.lst in"),
     ("mine", ['{"context": " ", "choices": ["b", "c"], "gold": 0}'],
      r"task\.jsonl:1: .*the context is empty"),
-    ("mine", [], r"task\.jsonl: no items"),
+    ("mine", [json.dumps({"context": "a", "choices": ["word " * 100, "b"], "gold": 0})],
+     r"task\.jsonl:1: a choice of [\d,]+ tokens is longer than seq_len=64 \(lm-eval refuses it "
+     r"too\); drop the item from downstream task mine, or raise --seq_len"),
+    ("mine", [], r"task\.jsonl: no items \(an empty file\); downstream task mine needs some: "
+                 r"put them in it, or drop mine from --downstream"),
 ])
 def test_a_bad_task_file_is_refused_in_setup_in_one_line(name, lines, message, small_data_dir,
                                                         tmp_path):
@@ -239,8 +261,18 @@ def test_a_bad_task_file_is_refused_in_setup_in_one_line(name, lines, message, s
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_the_format_a_misspelt_name_is_told_reads_the_file(tmp_path):
+    """The fix the refusal above names, followed: the file reads as a hellaswag item."""
+    path = write_jsonl(tmp_path / "task.jsonl", [json.loads(HELLASWAG_LINE)])
+    with pytest.raises(ValueError, match=r"did you mean --downstream=(\w+):") as refused:
+        downstream.read_items("hellaswg", str(path))
+    [item] = downstream.read_items(refused.value.args[0].rsplit("=", 1)[1].split(":")[0],
+                                   str(path))
+    assert item.choices == ["d", "e"] and item.gold == 1
+
+
 @pytest.mark.parametrize("overrides, message", [
-    ({"downstream": "hellaswag"}, r"'hellaswag' is not NAME:PATH"),
+    ({"downstream": "hellaswag"}, r"'hellaswag' is not NAME:PATH \(only nextline stands"),
     ({"downstream": "a:x.jsonl,a:y.jsonl"}, "names a task twice"),
     ({"downstream_every": 6}, r"downstream_every=6 must be a positive multiple of eval_every=4"),
     ({"downstream_items": 0}, "downstream_items=0 must be positive"),
@@ -288,11 +320,10 @@ def test_downstream_items_scores_a_files_first_n(small_data_dir, tmp_path):
     """downstream_items=N takes a file's first N items, as lm_eval --limit N takes the first
     N documents; none takes them all."""
     path = write_jsonl(tmp_path / "mine.jsonl", GENERIC)
-    tokenizer = str(Path(small_data_dir) / "tokenizer.json")
     for n, want in ((2, GENERIC[:2]), (None, GENERIC)):
         cfg = micro_config(small_data_dir, str(tmp_path), downstream=f"mine:{path}",
                            downstream_items=n)
-        [task] = downstream.load_tasks(cfg, tokenizer, 1)
+        [task] = downstream.load_tasks(cfg, small_data_dir, 1)
         assert [(i.context, i.choices, i.gold) for i in task.items] == \
             [(doc["context"], doc["choices"], doc["gold"]) for doc in want]
         assert task.n_sequences == sum(len(doc["choices"]) for doc in want)
@@ -328,17 +359,18 @@ def test_val_documents_are_read_back_from_every_kind_of_file_by_their_keys(tmp_p
     assert downstream.val_documents(str(out)) == [keyed[key] for key in keys]
     (root / "c.txt").write_text("changed")
     lost = next(key for key in keys if key.startswith("c.txt:") and key != "c.txt:0")
-    with pytest.raises(ValueError, match=f"val document {lost} cannot be read from .*; the "
-                                         f"files it was prepared from have changed"):
+    with pytest.raises(ValueError, match=f"val document {lost} of {out} cannot be read from "
+                                         f".*: the files it was prepared from have changed "
+                                         f"since; restore them, or pass --downstream=nextline"):
         downstream.val_documents(str(out))
 
 
 def test_the_next_line_items_are_fixed_and_ask_for_the_true_next_line(small_data_dir):
     """Two reads give the same items; each gold choice is the line that follows its context
     in a val document, and no other choice is that line."""
-    first, again = (downstream.nextline_items(small_data_dir) for _ in range(2))
-    assert first == again and len(first) > 50
     texts = downstream.val_documents(small_data_dir)
+    first, again = (downstream.nextline_items(texts) for _ in range(2))
+    assert first == again and len(first) > 50
     for item in first[:50]:
         assert len(item.choices) == 4 and item.choices.count(item.choices[item.gold]) == 1
         assert any(item.context + item.choices[item.gold] + "\n" in text + "\n"
@@ -352,10 +384,11 @@ def test_a_next_line_items_context_and_distractors_are_as_readme_says(small_data
     before the answer, under 1,000 characters, and one more line would reach 1,000 (or the
     document's start); each distractor is a line of another val document, its length within
     the 80 lengths nearest the answer's among all val lines (of 16 characters or more)."""
-    documents = [text.split("\n") for text in downstream.val_documents(small_data_dir)]
+    texts = downstream.val_documents(small_data_dir)
+    documents = [text.split("\n") for text in texts]
     lengths = sorted(len(line) for lines in documents for line in lines
                      if len(line.strip()) >= downstream.NEXTLINE_MIN_CHARS)
-    items = downstream.nextline_items(small_data_dir)
+    items = downstream.nextline_items(texts)
     for item in items[:200]:
         d, number = map(int, item.where.split(":"))
         lines, answer = documents[d], item.choices[item.gold][1:]
@@ -371,6 +404,132 @@ def test_a_next_line_items_context_and_distractors_are_as_readme_says(small_data
                 assert any(choice[1:] in other for e, other in enumerate(documents) if e != d)
                 assert low <= len(choice) - 1 <= high, (len(answer), len(choice) - 1)
     assert any(len(item.context) > 900 for item in items)  # the bound is reached
+
+
+# --- the next-line task serves the run it is in --------------------------------------------
+
+def continuation_tokens(tokenizer: Tokenizer, context: str, choice: str) -> int:
+    """A choice's tokens as lm-eval counts them: " " + choice after the context, the
+    context's trailing whitespace moved to it, the whole encoded past the context's count."""
+    kept = context.rstrip()
+    whole = tokenizer.encode(context + " " + choice).ids
+    return len(whole) - len(tokenizer.encode(kept).ids)
+
+
+def test_bare_nextline_reads_the_runs_own_data_and_leaves_out_what_cannot_fit(
+        small_data_dir, tmp_path, monkeypatch):
+    """`--downstream=nextline` on a run of its own 512-token corpus at seq_len 24, in a
+    folder without data/stdlib-4k: the items are that corpus's, said so, and exactly those
+    of its next-line items whose every choice fits in 24 tokens (the oracle: each choice
+    counted with the tokenizer alone), in their order; some do not fit, and are not made.
+    Nothing else is read or prepared."""
+    monkeypatch.chdir(tmp_path)
+    cfg = micro_config(small_data_dir, str(tmp_path / "run"), downstream="nextline",
+                       downstream_items=30, seq_len=24, global_batch_tokens=96)
+    assert config.parse_downstream(cfg.downstream) == [("nextline", None)]
+    assert downstream.corpora(cfg) == []  # nothing for the run to prepare
+    [task] = downstream.load_tasks(cfg, small_data_dir, 1)
+    assert task.origin == f"{small_data_dir}'s val documents"
+    tokenizer = Tokenizer.from_file(str(Path(small_data_dir) / "tokenizer.json"))
+    made = downstream.nextline_items(downstream.val_documents(small_data_dir))
+    fits, left_out = [], 0
+    for item in made:  # in order, until 30 fit
+        if all(continuation_tokens(tokenizer, item.context, c) <= 24 for c in item.choices):
+            fits.append(item)
+        else:
+            left_out += 1
+        if len(fits) == 30:
+            break
+    assert task.items == fits and left_out > 0
+    # the issue's run: tiny on a corpus of its own, another vocabulary, a shorter seq_len
+    tiny, _ = config.parse_args(["--preset", "tiny", f"--data_dir={small_data_dir}",
+                                 "--model.vocab_size=512", "--seq_len=64"])
+    [task] = downstream.load_tasks(tiny, small_data_dir, 1)
+    assert len(task.items) == config.TINY_ITEMS
+    assert task.origin == f"{small_data_dir}'s val documents"
+    assert not Path("data").exists()
+
+
+def fake_stdlib(root: Path) -> list[str]:
+    """A stand-in for the standard library, for prepare.stdlib_files: 120 modules of a few
+    lines, named so that four of them hash into the built-in corpus's 1% val split."""
+    names = [f"m{i}.py" for i in range(5000)]
+    val = [n for n in names if prepare.is_val(n, prepare.DEFAULT_VAL_FRACTION)][:4]
+    train = [n for n in names if n not in val][:116]
+    for n, name in enumerate(sorted(val + train)):
+        (root / name).write_text("".join(f"value_{n}_{j} = compute('{'x' * (n % 9 + j)}')\n"
+                                         for j in range(12)))
+    return sorted(val)
+
+
+def test_where_the_runs_data_cannot_serve_it_nextline_reads_the_built_in_val_files(
+        tmp_path, monkeypatch):
+    """The fallback reads the built-in corpus's val files where they are, with nothing
+    prepared: the same texts, in the same order, as the val documents of the built-in
+    corpus prepare.py prepares (the oracle: its val_documents.json, read back), on a stand-in
+    standard library. A run whose data came from a Hugging Face dataset takes its items from
+    there, and says why; `nextline:THAT_DATA` is refused, naming the dataset (not a path
+    error), and the fix it names (bare nextline) serves."""
+    datasets = pytest.importorskip("datasets")
+    stdlib = tmp_path / "stdlib"
+    stdlib.mkdir()
+    val = fake_stdlib(stdlib)
+    monkeypatch.setattr(prepare, "stdlib_files",
+                        lambda: (stdlib, sorted(stdlib.glob("*.py"))))
+    prepare.prepare(out_dir=str(tmp_path / "stdlib-0k"), vocab_size=300)
+    prepared = downstream.val_documents(str(tmp_path / "stdlib-0k"))
+    assert prepare.builtin_val_documents() == prepared
+    assert prepared == [(stdlib / name).read_text() for name in val]
+    rows = [f"def f{i}(x):\n    return x + {i}\n" * (i % 5 + 2) for i in range(60)]
+    datasets.Dataset.from_dict({"text": rows}).save_to_disk(tmp_path / "hf")
+    hub = tmp_path / "from-hub"
+    prepare.prepare(str(tmp_path / "hf"), str(hub), vocab_size=300, val_fraction=0.2)
+    items, origin = downstream.nextline_task(None, str(hub))
+    assert items == downstream.nextline_items(prepared)
+    assert origin == (f"the built-in corpus's val files, read from the standard library "
+                      f"({hub} was prepared from the Hugging Face dataset {tmp_path / 'hf'}, "
+                      f"and nextline reads val documents back from local files alone)")
+    # a source that is no longer there: a hub name's keys are NAME:N, a folder's are paths
+    assert prepare.from_dataset("org/name", ["org/name:0", "org/name:7"])
+    assert not prepare.from_dataset("gone", ["a.txt", "b.jsonl:3"])  # a moved folder
+    assert not prepare.from_dataset("docs.jsonl", ["docs.jsonl:1"])  # a local file's keys
+    with pytest.raises(ValueError, match=f"downstream task nextline:{hub}: {hub} was prepared "
+                                         f"from the Hugging Face dataset .*; point it at a "
+                                         f"corpus prepared from local files, or pass "
+                                         f"--downstream=nextline \\(the run's own data"):
+        downstream.nextline_task(str(hub), str(hub))
+
+
+def test_nextline_of_moved_files_or_raw_text_says_so_and_the_fix_serves(small_data_dir,
+                                                                        tmp_path, monkeypatch):
+    """A corpus whose source folder moved: the refusal says the folder is not there now
+    (not that the corpus is of the wrong kind), and putting it back serves. A folder of raw
+    text: the prepare command it names, then the --downstream value it names, serve; the
+    value is --downstream's, not --data_dir's."""
+    monkeypatch.chdir(tmp_path)
+    raw = Path("raw")
+    raw.mkdir()
+    for i in range(400):  # about 1% of them hash into val at prepare's default
+        (raw / f"f{i}.txt").write_text("".join(f"line {j} of file {i}: {'y' * (3 * j + i % 7)}\n"
+                                              for j in range(8)))
+    prepare.prepare(str(raw), "moved", vocab_size=300)
+    raw.rename("raw-elsewhere")
+    with pytest.raises(ValueError, match=f"downstream task nextline:moved: moved was prepared "
+                                         f"from raw \\({tmp_path / 'raw'}\\), which is not there "
+                                         f"now.*; put it back there, or pass "
+                                         f"--downstream=nextline"):
+        downstream.nextline_task("moved", small_data_dir)
+    Path("raw-elsewhere").rename(raw)
+    assert downstream.nextline_task("moved", small_data_dir)[0]
+    with pytest.raises(ValueError) as refused:
+        downstream.nextline_task("raw", small_data_dir)
+    message = str(refused.value)
+    assert message.startswith("downstream task nextline:raw: raw/manifest.json is missing")
+    command, value = message.split("`")[1], message.rsplit("then pass ", 1)[1]
+    assert command.startswith("python prepare.py ") and value.startswith("--downstream=nextline:")
+    prepare.main(shlex.split(command)[2:])
+    items, origin = downstream.nextline_task(value.split(":", 1)[1], small_data_dir)
+    assert items and origin == f"{value.split(':', 1)[1]}'s val documents"
 
 
 def test_the_report_draws_accuracy_against_chance_and_compares_the_finals(tmp_path):

@@ -25,6 +25,8 @@ import launch
 import log
 import optim
 import prepare
+import report
+import sample
 import train
 from conftest import micro_config
 from model import Transformer
@@ -66,6 +68,11 @@ BAD_FLAGS = [
     (["--data_dir=/nonexistent/data"], "python prepare.py"),
     (["--data_dir=a:0.7 b:0.3"], "write a mixture as DIR:W,DIR:W"),
     (["--presets", "tiny"], "did you mean --preset?"),
+    (["--export"], "unknown config key 'export': train.py exports nothing: after training, "
+                   "`python export.py OUT_DIR`"),  # the key is refused, not its missing value
+    (["--export=out"], "`python export.py OUT_DIR` writes the newest checkpoint"),
+    (["--frobnicate"], "unknown config key 'frobnicate'; see --help for every knob"),
+    (["--force=true"], "--force: ignored explicit argument 'true' (the flag takes no value"),
     (["--resume=/nonexistent/step_0000004"], "no train_state.json there"),
     (["--out_dir={out}/file"], "is a file, not a directory"),
 ]
@@ -107,6 +114,22 @@ def test_a_bad_toml_value_is_one_clear_line(toml, message, small_data_dir, tmp_p
     base = [a for a in cli_args(micro_config(small_data_dir, str(tmp_path / "out")))
             if not a.startswith((f"--{key}=", f"--model.{key}="))]
     assert message in run_cli(base + [f"--config={tmp_path / 'run.toml'}"], capsys)
+
+
+@pytest.mark.parametrize("command, argv, message", [
+    ("train", ["--preset=tinyy"], "argument --preset: invalid choice: 'tinyy'"),
+    ("prepare", ["--vocab_size=many"], "argument --vocab_size: invalid int value: 'many'"),
+    ("prepare", ["--force"], "unrecognized arguments: --force"),
+    ("report", [], "the following arguments are required: OUT_DIR"),
+    ("sample", ["--prompt=x"], "the following arguments are required: --export"),
+    ("config", [], "the following arguments are required: --world_size"),
+])
+def test_argparse_refusals_are_one_line_too(command, argv, message, capsys):
+    """What argparse itself refuses, in every command, is the commands' one line and exit
+    status 2, not its usage and a second line."""
+    main = {"train": train.cli, "prepare": prepare.main, "report": report.cli,
+            "sample": sample.main, "config": config.fit_micro_batch_cli}[command]
+    assert message in run_cli(argv, capsys, main)
 
 
 def test_debug_shows_the_traceback_and_other_ranks_stay_quiet(monkeypatch, capsys):

@@ -92,12 +92,56 @@ def test_resume_path_exports_that_checkpoint(trained):
 
 def test_a_model_flag_is_not_an_export_flag(trained, capsys):
     """The shape is the checkpoint's: export.py takes no model flags that could describe its
-    weights wrongly (rope_theta changes no tensor shape, so nothing else would notice)."""
-    with pytest.raises(SystemExit) as exit_:
-        export.main([trained.out_dir, "--model.rope_theta=10000"])
-    assert exit_.value.code == 2
-    assert "unrecognized arguments: --model.rope_theta=10000" in capsys.readouterr().err
-    assert not (Path(trained.out_dir) / "export").exists()
+    weights wrongly (rope_theta changes no tensor shape, so nothing else would notice). It
+    says so in one line, as it says why it needs no --force, and names its flags for any
+    other; argparse's own refusals are one line too."""
+    out = trained.out_dir
+    assert "--model.rope_theta=10000: export.py takes no model flags: the model's shape " \
+           "comes from the checkpoint's own train_state.json" in \
+           run_cli([out, "--model.rope_theta=10000"], capsys, export.main)
+    assert "--force: export.py needs none: it replaces the files of its own earlier export" \
+        in run_cli([out, "--force=true"], capsys, export.main)
+    assert "export.py takes OUT_DIR, --format, --resume, --data_dir and --debug" in \
+        run_cli([out, "--bogus"], capsys, export.main)
+    assert "invalid choice: 'xx'" in run_cli([out, "--format", "xx"], capsys, export.main)
+    assert not (Path(out) / "export").exists()
+
+
+def test_an_export_again_replaces_its_own_files_and_nothing_a_user_wrote(trained):
+    """A user's files beside an export (lm-eval's results, a model card, notes) survive a
+    second export, byte for byte, while the export's own files are the new checkpoint's
+    (the oracle: step 4's weights). An hf export of a shape that needs no modelling file
+    removes the one an earlier export wrote. A killed export's scratch folder holding a
+    user's file, and a file where the folder goes, are refused before any work."""
+    out = Path(trained.out_dir)
+    export.main([str(out)])
+    export.main([str(out), "--format", "hf"])
+    mine = {out / "export" / "notes.txt": "mine", out / "export-hf" / "README.md": "a card",
+            out / "export-hf" / "lm_eval_results" / "results_hellaswag.json": "{}"}
+    for path, text in mine.items():
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    export.main([str(out), f"--resume={out / 'ckpt' / 'step_0000004'}"])
+    export.main([str(out), "--format", "hf"])
+    assert all(path.read_text() == text for path, text in mine.items())
+    exported = torch.load(out / "export" / "model.pt", weights_only=True)
+    assert all(torch.equal(exported[k], v) for k, v in checkpoint_weights(trained, 4).items())
+    assert (out / "export-hf" / "modeling_stacklm.py").exists()  # QK-norm and NoPE layers
+    qwen3 = dataclasses.replace(trained.model, nope_every=0)
+    export.write_hf(out / "export-hf", Transformer(qwen3).state_dict(), qwen3,
+                    str(Path(trained.data_dir) / "tokenizer.json"), 0, {"trained_by": "x"})
+    assert not (out / "export-hf" / "modeling_stacklm.py").exists()
+    assert all(path.read_text() == text for path, text in mine.items())
+    (out / "export.tmp").mkdir()
+    (out / "export.tmp" / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"export\.tmp is export\.py's scratch folder, and "
+                                         r"holds files an export does not write \(keep\.txt\)"):
+        export.export(str(out))
+    assert (out / "export.tmp" / "keep.txt").read_text() == "mine"
+    shutil.rmtree(out / "export")
+    (out / "export").write_text("a file")
+    with pytest.raises(NotADirectoryError, match=r"export is a file, not the folder"):
+        export.export(str(out))
 
 
 def test_a_re_prepared_data_dir_cannot_slip_in_another_tokenizer(trained, prepared, capsys):
@@ -112,6 +156,20 @@ def test_a_re_prepared_data_dir_cannot_slip_in_another_tokenizer(trained, prepar
     export.main([trained.out_dir, "--data_dir", str(original)])
     assert (Path(trained.out_dir) / "export" / "tokenizer.json").read_bytes() == \
         (original / "tokenizer.json").read_bytes()
+
+
+def test_another_corpus_as_data_dir_is_named_as_the_one_passed(trained, prepared, capsys):
+    """--data_dir naming another corpus (the checkpoint's own data unchanged): the message
+    names the flag and the data the run trained on, not a re-preparation that never
+    happened, and its fix (drop --data_dir) exports."""
+    err = run_cli([trained.out_dir, "--data_dir", str(prepared)], capsys, export.main)
+    assert f"--data_dir {prepared}: {prepared / 'tokenizer.json'} is not the tokenizer" in err
+    assert f"(it trained on {trained.data_dir})" in err and "prepared again" not in err
+    assert "drop --data_dir" in err
+    export.main([trained.out_dir])
+    err = run_cli([trained.out_dir, "--data_dir", str(prepared / "nowhere")], capsys,
+                  export.main)
+    assert f"--data_dir {prepared / 'nowhere'} does not exist; pass the folder the data" in err
 
 
 def test_missing_data_is_one_line(trained, capsys):

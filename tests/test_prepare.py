@@ -236,6 +236,29 @@ def test_a_parquet_file_is_read_in_batches_across_its_row_groups(tmp_path, monke
     assert got == [(f"f.parquet:{i}", t) for i, t in enumerate(texts)]
 
 
+def test_a_damaged_row_group_loses_its_own_rows_alone(tmp_path):
+    """Three row groups of 10 rows; the middle one's page header overwritten (pyarrow reads
+    the footer, then fails on that group alone). The rows of the other two are documents
+    under their own numbers (the oracle: the texts written), and the lost rows are listed
+    with pyarrow's reason."""
+    import pyarrow.parquet
+
+    texts = [f"row {i}: " + "lorem ipsum " * 20 for i in range(30)]
+    path = tmp_path / "f.parquet"
+    write_parquet(path, texts, row_group_size=10)
+    column = pyarrow.parquet.read_metadata(path).row_group(1).column(1)
+    damaged = bytearray(path.read_bytes())
+    start = column.dictionary_page_offset or column.data_page_offset
+    damaged[start:start + 30] = b"\xff" * 30
+    path.write_bytes(bytes(damaged))
+    skipped = []
+    got = list(prepare.parquet_documents(path, "f.parquet", "text", skipped))
+    assert got == [(f"f.parquet:{i}", texts[i]) for i in (*range(10), *range(20, 30))]
+    [lost] = skipped
+    assert lost["file"] == f"{path}:10-19" and "row group 1 cannot be read from row 10 on (" \
+        in lost["reason"]
+
+
 def test_a_parquet_file_is_held_a_row_group_at_a_time_never_whole(tmp_path):
     """pyarrow's own count of the bytes it holds, read at every row: sixteen row groups of
     ~100 KB of text that does not compress; reading never holds half the file's text."""
@@ -365,7 +388,11 @@ def test_save_to_disk_folders_a_dataset_and_a_dataset_dicts_split(tmp_path, offl
         (split_dict, {"split": "test"},
          r"has no split 'test' \(it has \['train', 'validation'\]\); pass --split"),
         (flat, {"text_field": "body"},
-         r"no field 'body' \(fields: \['id', 'text'\]\); pass --text_field"),
+         r"no text field 'body' \(its fields: id \(int64\), text \(string\)\); pass "
+         r"--text_field"),
+        (flat, {"text_field": "id"},  # a column of numbers, as parquet's is refused
+         r"no text field 'id' \(its fields: id \(int64\), text \(string\)\); pass "
+         r"--text_field"),
         (flat, {"split": "validation"},
          r"--split validation: .*flat holds one Dataset, not a DatasetDict of splits; drop "
          r"--split"),
@@ -377,6 +404,28 @@ def test_save_to_disk_folders_a_dataset_and_a_dataset_dicts_split(tmp_path, offl
         with pytest.raises(ValueError, match=message):
             prepare.prepare(str(source), str(tmp_path / f"refused{n}"), **knobs)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("refused")]
+
+
+def test_a_datasets_null_rows_are_skipped_and_listed_as_a_parquet_files_are(
+        tmp_path, offline_datasets):
+    """3 null rows of 20 in a save_to_disk folder: the other 17 are the corpus, in order,
+    and the three are listed in manifest.json by row, as parquet's null rows are. Rows of
+    a stream that declares no features are checked one by one: a number is refused, naming
+    the field's type."""
+    texts = [None if i in (3, 7, 11) else f"row {i}: the quick brown fox" for i in range(20)]
+    offline_datasets.Dataset.from_dict({"text": texts}).save_to_disk(tmp_path / "ds")
+    manifest = prepare.prepare(str(tmp_path / "ds"), str(tmp_path / "o"), vocab_size=300,
+                               val_fraction=0.0)
+    assert decoded_documents(tmp_path / "o", "train") == [t for t in texts if t is not None]
+    assert manifest["skipped_files"] == [{"file": f"{tmp_path / 'ds'}:{i}",
+                                          "reason": "'text' is null"} for i in (3, 7, 11)]
+    rows = [{"text": "a document"}, {"text": 7}]
+    stream = offline_datasets.IterableDataset.from_generator(lambda: iter(rows))
+    assert stream.features is None  # as a hub stream may be
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(offline_datasets, "load_dataset", lambda *a, **k: stream)
+        with pytest.raises(ValueError, match=r"no text field 'text' \(its fields: text \(int\)"):
+            list(prepare.hf_documents("someone/corpus", "text", None, "train", []))
 
 
 def write_hub_layout(root: Path) -> dict:
@@ -426,7 +475,8 @@ def test_a_hub_dataset_streams_through_load_dataset_with_its_subset_and_split(
     assert (manifest["subset"], manifest["split"]) == ("sample-10BT", "validation")
     prepare.prepare("someone/corpus", str(tmp_path / "o2"), vocab_size=300, val_fraction=0.0)
     assert decoded_documents(tmp_path / "o2", "train") == texts[(None, "train")]
-    with pytest.raises(ValueError, match=r"no field 'body' \(fields: \['id', 'text'\]\)"):
+    with pytest.raises(ValueError, match=r"no text field 'body' \(its fields: id \(int64\), "
+                                         r"text \(string\)\)"):
         prepare.prepare("someone/corpus", str(tmp_path / "o3"), text_field="body")
 
 
@@ -450,6 +500,12 @@ def test_empty_corpus(tmp_path):
         prepare.prepare(str(tmp_path / "empty"), str(tmp_path / "out"))
     with pytest.raises(ValueError, match="no file matches"):
         prepare.prepare(str(tmp_path / "*.nothing"), str(tmp_path / "out"))
+    write_parquet(tmp_path / "cut.parquet", ["some text"] * 50)  # then truncated: the real
+    (tmp_path / "cut.parquet").write_bytes((tmp_path / "cut.parquet").read_bytes()[:300])
+    with pytest.raises(ValueError, match=r"empty corpus: .*cut\.parquet has no readable, "
+                                         r"non-blank document \(skipped .*cut\.parquet: "
+                                         r"ArrowInvalid: Parquet magic bytes not found"):
+        prepare.prepare(str(tmp_path / "cut.parquet"), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()  # refused before any work
 
 

@@ -128,7 +128,7 @@ def test_the_scorer_deals_rows_across_ranks_and_scores_each_sequence_once(ranks)
     accuracies are the picks of that one-process scoring."""
     plan, wrote = ranks
     cfg = plan["run"]
-    [task] = downstream.load_tasks(cfg, data.tokenizer_path(cfg.data_dir), 1)
+    [task] = downstream.load_tasks(cfg, cfg.data_dir, 1)
     with torch.no_grad():
         one = downstream.loglikelihoods(task, train.build_model(cfg, False).eval(),
                                         torch.device("cpu"), cfg.micro_batch_size, 0, 1)

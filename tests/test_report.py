@@ -434,6 +434,35 @@ def test_a_folder_without_metrics_is_one_line_and_a_failure(tmp_path):
     assert not (tmp_path / "report.md").exists()
 
 
+def test_a_file_or_a_binary_log_is_one_line_naming_it(tmp_path, capsys):
+    """The metrics.jsonl file itself, not its folder: one line whose command, followed,
+    draws the report. A binary metrics.jsonl: one line naming it and the unreadable lines
+    (not the codec's message alone). A file as --out: one line naming the flag. A binary
+    line inside a good log is left out with the cut-short line's warning."""
+    from test_errors import run_cli
+    hand_made_log(tmp_path / "run", [5.0, 4.5, 4.0])
+    err = run_cli([str(tmp_path / "run" / "metrics.jsonl")], capsys, report.cli)
+    assert err == (f"error: {tmp_path / 'run' / 'metrics.jsonl'} is a file; report.py reads a "
+                   f"run's out_dir, the folder that holds metrics.jsonl: python report.py "
+                   f"{tmp_path / 'run'}")
+    report.cli(err.rsplit("python report.py ", 1)[1].split())
+    assert (tmp_path / "run" / "report.md").exists()
+    (tmp_path / "binary").mkdir()
+    (tmp_path / "binary" / "metrics.jsonl").write_bytes(b"\x89PNG\x80\xff\n" * 12)
+    err = run_cli([str(tmp_path / "binary")], capsys, report.cli)
+    assert err.startswith(f"error: {tmp_path / 'binary' / 'metrics.jsonl'}: no start record "
+                          f"(lines 1, 2, 3, 4, 5 and 7 more cannot be read)")
+    (tmp_path / "taken").write_text("a file")
+    assert run_cli([str(tmp_path / "run"), "--out", str(tmp_path / "taken")], capsys,
+                   report.cli) == (f"error: --out {tmp_path / 'taken'} is a file; give a folder "
+                                   f"for report.md and report.png (made if missing)")
+    with open(tmp_path / "run" / "metrics.jsonl", "ab") as f:
+        f.write(b"\xff\xfe{}\n")
+    assert report.read_run(tmp_path / "run").warnings == [
+        f"{tmp_path / 'run' / 'metrics.jsonl'}: line 7 cannot be read (cut short by a kill "
+        f"-9?); reported without it"]
+
+
 def test_a_non_finite_value_is_a_gap_and_n_a(tmp_path):
     """log.py writes a non-finite loss as null: the raw curve has a hole there (NaN), the
     smoothed one skips it, and a last loss that is null reads n/a."""
