@@ -161,10 +161,12 @@ class TrainConfig:
     grad_clip: float = knob(1.0, "max global grad norm; 0 disables clipping")
     max_bad_steps: int = knob(5, "consecutive non-finite steps before the run stops")
     seed: int = knob(1337, "seeds the initial weights, the data order and the sample",
-                     section="hardware and numerics: auto picks the fast choice on CUDA and "
-                             "the safe one on a CPU")
-    compile_model: str = knob("auto", "torch.compile each block (auto: on CUDA only)")
-    mixed_precision: str = knob("auto", "autocast (auto: bf16 on CUDA, no on CPU)")
+                     section="hardware and numerics: auto picks what this machine computes "
+                             "fastest, and the banner says why")
+    compile_model: str = knob("auto", "torch.compile each block (auto: on CUDA only; on a "
+                                      "CPU its cold start does not pay back)")
+    mixed_precision: str = knob("auto", "autocast (auto: bf16 on CUDA and on a CPU that "
+                                        "computes bf16 natively, else no: fp32)")
     loss_head_dtype: str = knob("fp32", "the chunked loss head's matmul inputs; bf16 keeps fp32 "
                                         "accumulation, logits and logsumexp")
     activation_recompute: str = knob("none", "none | full | every-N: blocks recomputed in "

@@ -31,20 +31,52 @@ def make_accelerator(cfg) -> Accelerator:
         # fp32 range and accumulation, 10-bit mantissa inputs, as nanoGPT and torchtitan do.
         torch.set_float32_matmul_precision("high")
     world_size = PartialState(cpu=cpu).num_processes
-    return Accelerator(cpu=cpu, mixed_precision=precision(cfg),
+    return Accelerator(cpu=cpu, mixed_precision=precision(cfg)[0],
                        gradient_accumulation_steps=cfg.grad_accum_steps(world_size))
 
 
-def precision(cfg) -> str:
-    """accelerate's mixed_precision for this run: the config's, `auto` being bf16 on a GPU
-    and fp32 ("no") on a CPU. It wins over the launch config's (check_launch warns)."""
-    if cfg.mixed_precision == "auto":
-        return "bf16" if torch.cuda.is_available() else "no"
-    return cfg.mixed_precision
+def precision(cfg) -> tuple[str, str]:
+    """accelerate's mixed_precision for this run, and why: the config's, or for `auto` what
+    this machine computes fastest: bf16 autocast on a GPU and on a CPU that computes bf16 in
+    hardware (`cpu_computes_bf16`), fp32 ("no") on any other CPU, where bf16 is emulated and
+    slower than fp32. It wins over the launch config's (check_launch warns)."""
+    if cfg.mixed_precision != "auto":
+        return cfg.mixed_precision, "the config's mixed_precision"
+    if torch.cuda.is_available():
+        return "bf16", "auto: a GPU"
+    if cpu_computes_bf16():
+        return "bf16", "auto: this CPU computes bf16 natively"
+    return "no", ("auto: this CPU has no bf16 arithmetic (AVX512_BF16, AMX or Arm's BF16), "
+                  "and emulated bf16 is slower than fp32")
 
 
-def use_compile(cfg) -> bool:  # auto: on CUDA
-    return cfg.compile_model == "true" or cfg.compile_model == "auto" and torch.cuda.is_available()
+# The CPU flags (Linux's /proc/cpuinfo) of bf16 arithmetic in hardware: x86's AVX512_BF16
+# (Intel from Cooper Lake, AMD from Zen 4) and AMX-BF16 (Intel from Sapphire Rapids), Arm's
+# BF16 extension (Armv8.6: Graviton3, Neoverse V1 and later).
+BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
+
+
+def cpu_computes_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU has bf16 arithmetic in hardware, from its flags (x86's `flags`,
+    Arm's `Features`). Where they cannot be read (not Linux), no: fp32 is the safe guess."""
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return False
+    flags = {flag for line in lines if line.startswith(("flags", "Features"))
+             for flag in line.partition(":")[2].split()}
+    return bool(flags & BF16_CPU_FLAGS)
+
+
+def use_compile(cfg) -> tuple[bool, str]:
+    """Whether to torch.compile each block, and why: the config's, or for `auto` on a GPU
+    only. On a CPU compiling does not pay back its cold start over a run of `tiny`'s length
+    (bench/cpu_speed.py measures both; README's Measured figures)."""
+    if cfg.compile_model != "auto":
+        return cfg.compile_model == "true", "the config's compile_model"
+    if torch.cuda.is_available():
+        return True, "auto: a GPU"
+    return False, "auto: on a CPU it does not pay back its cold start"
 
 
 # ---------------------------------------------------------------------------------------

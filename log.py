@@ -173,14 +173,19 @@ class Hardware:
     compiled: bool
     device_name: str = ""  # e.g. "NVIDIA H200", or the CPU's model and core count
     torch: str = torch.__version__
+    precision_why: str = ""  # e.g. "auto: this CPU computes bf16 natively" (launch.precision)
+    compile_why: str = ""  # e.g. "auto: a GPU" (launch.use_compile)
 
 
-def hardware(accelerator, compiled: bool, sharded: bool) -> Hardware:
+def hardware(accelerator, sharded: bool, compiled: tuple[bool, str],
+             precision_why: str) -> Hardware:
     """The Hardware an accelerate.Accelerator runs on; FSDP2 where train.py sharded the model
-    (accelerate's own distributed type says MULTI_CPU there on a CPU)."""
+    (accelerate's own distributed type says MULTI_CPU there on a CPU). `compiled` and
+    `precision_why` are launch.use_compile's and launch.precision's choices and reasons."""
     distributed = "FSDP2" if sharded else accelerator.distributed_type.value
     return Hardware(accelerator.num_processes, str(accelerator.device), distributed,
-                    accelerator.mixed_precision, compiled, device_name(accelerator.device))
+                    accelerator.mixed_precision, compiled[0], device_name(accelerator.device),
+                    precision_why=precision_why, compile_why=compiled[1])
 
 
 def device_name(device: torch.device) -> str:
@@ -262,9 +267,9 @@ def banner(cfg, start: Start, model, optimizers, schedule: str, flops: dict[str,
         *eval_coverage(cfg, start.val_windows),
         *([downstream_coverage(cfg, start.tasks)] if start.tasks else []),
         f"hardware: {hardware.world} × {hardware.device} ({hardware.distributed}), "
-        f"precision {hardware.precision} (the config's mixed_precision={cfg.mixed_precision}, "
-        f"which wins over a launch config's), compile {hardware.compiled}, activation "
-        f"recompute {cfg.activation_recompute}",
+        f"precision {hardware.precision} ({hardware.precision_why}; mixed_precision="
+        f"{cfg.mixed_precision} wins over a launch config's), compile {hardware.compiled} "
+        f"({hardware.compile_why}), activation recompute {cfg.activation_recompute}",
         f"code: {start.revision}",
         "memory estimate per rank: " + " + ".join(
             f"{k} {v:.2f}" for k, v in budget.items() if k != "total")

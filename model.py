@@ -280,6 +280,14 @@ def reference_loss(logits, targets, z_loss: float, ignore_index: int = -100,
     return Loss((ce + z) / n, ce.detach() / n, z.detach() / n)
 
 
+def fp32_logits(hidden, weight):
+    """hidden (..., C) @ weight.T (V, C) -> (..., V) fp32 logits: the matmul itself in fp32
+    whatever autocast says (a bf16 one would round every logit to 8 bits of mantissa), and
+    with fp32 operands (under FSDP2's bf16 they arrive rounded, as the chunked head's do)."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        return F.linear(hidden.float(), weight.float())
+
+
 # ---------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------
@@ -341,9 +349,9 @@ class Transformer(nn.Module):
         x = self.hidden_states(input_ids, position_ids, seq_ids).flatten(0, 1)  # (N, C)
         targets = targets.flatten()  # (N,)
         if reduction != "none" and not self.cfg.ce_chunk_size:
-            # The plain head: the tied embedding turns each hidden state into V logits, upcast
-            # to fp32 for the softmax (under bf16 autocast the matmul itself runs in bf16).
-            logits = F.linear(x, self.embed.weight).float()  # (N, V)
+            # The plain head: the tied embedding turns each hidden state into V logits, fp32
+            # even under bf16 autocast, so the softmax and its sums see no bf16 rounding.
+            logits = fp32_logits(x, self.embed.weight)  # (N, V)
             return reference_loss(logits, targets, self.cfg.z_loss, reduction=reduction)
         if reduction != "none":
             # The same number without the (N, V) logits, ce_chunk_size rows at a time: the
@@ -354,7 +362,7 @@ class Transformer(nn.Module):
         # Scoring (downstream.py, no gradient): each target's (N,) numbers, ce_chunk_size
         # rows of logits at a time (this forward, not `logits`, which holds all (B, T, V)).
         rows = self.cfg.ce_chunk_size or len(x)
-        parts = [reference_loss(F.linear(h, self.embed.weight).float(), t, self.cfg.z_loss,
+        parts = [reference_loss(fp32_logits(h, self.embed.weight), t, self.cfg.z_loss,
                                 reduction="none")  # (rows, V) logits -> (rows,) each
                  for h, t in zip(x.split(rows), targets.split(rows), strict=True)]
         return Loss(*(torch.cat(part) for part in zip(*parts, strict=True)))
@@ -364,7 +372,7 @@ class Transformer(nn.Module):
         with root_gathered(self):
             x = self.hidden_states(input_ids, position_ids, seq_ids)  # (B, T, C)
             x = x[:, -1:] if last_only else x  # (B, 1 or T, C)
-            return F.linear(x, self.embed.weight).float()  # (B, 1 or T, V)
+            return fp32_logits(x, self.embed.weight)  # (B, 1 or T, V)
 
     def hidden_states(self, input_ids, position_ids, seq_ids):
         """The final-norm hidden states (B, T, C) that the head turns into logits."""
@@ -416,7 +424,7 @@ class Transformer(nn.Module):
         x = self.embed(input_ids)  # (B, T, C)
         for block, cache in zip(self.blocks, caches, strict=True):
             x = block(x, cos, sin, mask, cache)
-        return F.linear(self.norm(x), self.embed.weight).float()  # (B, T, V)
+        return fp32_logits(self.norm(x), self.embed.weight)  # (B, T, V)
 
 
 @contextlib.contextmanager

@@ -35,7 +35,8 @@ class Plan(NamedTuple):
 def check(cfg, accelerator, force: bool) -> Plan:
     """Refuse a run that cannot work, before any compute, and gather what the banner says.
     `force` (--force) starts a plan past a CPU's RAM anyway."""
-    warnings = launch.check_launch(os.environ, launch.precision(cfg))  # refuses dead keys
+    in_use, why = launch.precision(cfg)
+    warnings = launch.check_launch(os.environ, in_use)  # refuses dead keys
     # FSDP2 when the launch config asks for it, on any device: train.py shards the model
     # itself, so a CPU run under gloo takes the very path a GPU run does (accelerate would
     # choose FSDP on GPUs only, and wrap the model in DDP on CPUs).
@@ -56,7 +57,7 @@ def check(cfg, accelerator, force: bool) -> Plan:
     with accelerator.main_process_first():
         val_windows = {d: data.PackedShardLoader(d, "val", cfg.seq_len, 1).windows_per_epoch
                        for d in evaluated}
-    hardware = log.hardware(accelerator, launch.use_compile(cfg), sharded)
+    hardware = log.hardware(accelerator, sharded, launch.use_compile(cfg), why)
     start = log.Start(hardware, log.code_revision(), plan, evaluated, val_windows,
                       downstream.describe(tasks))
     return Plan(stages, manifests, tasks, start, sharded, warnings)

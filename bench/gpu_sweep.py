@@ -156,13 +156,14 @@ def parse_args(argv):
 
 
 def base_config(args) -> tuple[config.TrainConfig, int, int]:
-    """Stack-100M as the reference run trains it, or (dry run) the tiny model at a shape
-    whose micro-batches are 32 and 16 sequences as on the GPU, on the CPU, with the chunked
-    loss head Stack-100M runs (in chunks of 256 of a micro-batch's 512 rows)."""
+    """Stack-100M as the reference run trains it, or (dry run) a one-layer, 64-wide `tiny`
+    at a shape whose micro-batches are 32 and 16 sequences as on the GPU, on the CPU, with
+    the chunked loss head Stack-100M runs (in chunks of 256 of a micro-batch's 512 rows)."""
     if args.dry_run:
         cfg = config.apply_overrides(config.tiny(), {
             "seq_len": 16, "micro_batch_size": 32, "global_batch_tokens": 1024,
-            "mixed_precision": "no", "compile_model": "false", "model.ce_chunk_size": 256})
+            "mixed_precision": "no", "compile_model": "false", "model.ce_chunk_size": 256,
+            "model.n_layers": 1, "model.d_model": 64, "model.intermediate": 176})
         steps, warmup = args.steps or 1, 1 if args.warmup is None else args.warmup
     else:
         cfg = config.stack100m()
@@ -201,7 +202,7 @@ def alarm(signum, frame):
 
 def measure(variant: Variant, cfg, steps: int, warmup: int, dry_run: bool, t0: float) -> dict:
     accelerator = launch.make_accelerator(cfg)
-    model = train.build_model(cfg, launch.use_compile(cfg))
+    model = train.build_model(cfg, launch.use_compile(cfg)[0])
     optimizers = optim.build_optimizers(model, cfg)
     if variant.ns_dtype is not None:
         optimizers.named["muon"].ns_dtype = variant.ns_dtype

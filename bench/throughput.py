@@ -42,7 +42,7 @@ def loop_tokens_per_s(cfg, warmup: int) -> float:
 
 def bare_tokens_per_s(cfg, steps: int, warmup: int) -> float:
     accelerator = launch.make_accelerator(cfg)
-    model = train.build_model(cfg, launch.use_compile(cfg))
+    model = train.build_model(cfg, launch.use_compile(cfg)[0])
     optimizers = optim.build_optimizers(model, cfg)
     model, *prepared = accelerator.prepare(model, *optimizers.named.values())
     optimizers = optim.Optimizers(dict(zip(optimizers.named, prepared, strict=True)))

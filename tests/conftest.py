@@ -37,7 +37,8 @@ def micro_config(data_dir: str, out_dir: str, **overrides) -> config.TrainConfig
         global_batch_tokens=512, total_steps=8, stop_at_step=8, warmup_steps=2,
         decay_fraction=0.25, adamw_peak_lr=1e-2, muon_peak_lr=2e-2, log_every=1,
         eval_every=4, eval_tokens=1024, ckpt_every=4, keep_last_ckpts=5, compile_model="false",
-        sample_tokens=8, write_report=False)
+        # fp32 on any CPU: auto would pick bf16 on one that computes it natively
+        mixed_precision="no", sample_tokens=8, write_report=False)
     return config.apply_overrides(cfg, overrides)
 
 

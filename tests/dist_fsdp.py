@@ -15,12 +15,12 @@ ACTION
                       and the full weights to OUT/weights.pt, and every rank writes what
                       accelerate reports about the world, and whether block 0 was resharded
                       after its forward (FSDP_RESHARD_AFTER_FORWARD, as the launch config
-                      sets it), to OUT/world_<rank>.json.
-  train_mean_of_means negative control: as `train`, but every micro-batch's loss is
-                      normalised by its own target count (a mean of micro-batch means, the
-                      mistake global-token normalisation exists to avoid).
-  train_half_gradient negative control: as `train`, but every backward gets half the loss
-                      (the gradient is off by a constant factor; the logged loss is not).
+                      sets it), to OUT/world_<rank>.json. Then the two negative controls, the
+                      same way into OUT/<mistake>: mean_of_means normalises every
+                      micro-batch's loss by its own target count (a mean of micro-batch
+                      means, the mistake global-token normalisation exists to avoid);
+                      half_gradient gives every backward half the loss (the gradient is off
+                      by a constant factor; the logged loss is not).
   save                trains STEPS steps, writes a sharded checkpoint to OUT/ckpt with
                       checkpoint.py's own writer, and rank 0 writes the full weights and
                       optimizer state to OUT/reference.pt, and the sharded model's
@@ -104,7 +104,7 @@ def make_run(cfg, data_dir: str) -> train.Run:
     stages = [data.Stage(0, ((data_dir, 1.0),))]
     loader = MaskedLoader(stages, cfg.seq_len, cfg.micro_batch_size, accelerator.process_index,
                           accelerator.num_processes, seed=cfg.seed)
-    start = log.Start(log.hardware(accelerator, False, sharded=True), "test", [],
+    start = log.Start(log.hardware(accelerator, True, (False, "test"), "test"), "test", [],
                       {data_dir: 1.0}, {data_dir: 1})
     return train.Run(cfg, accelerator, model, optimizers, loader, stages,
                      {data_dir: data.load_manifest(data_dir)}, start, tasks=[])
@@ -156,31 +156,40 @@ def full_state(model, optimizers: list) -> dict:
     return flat
 
 
+def train_and_report(data_dir: str, out: Path, mistake: str | None = None):
+    """STEPS steps with every block's activations recomputed (recompute under FSDP2 must
+    give the plain reference's gradients), and `mistake` made, if any; the results in out."""
+    cfg = fsdp_config(data_dir, str(out), activation_recompute="full")
+    run = make_run(cfg, data_dir)
+    resharding = watch_resharding(run.model)
+    if mistake == "mean_of_means":
+        normalise_each_micro_batch(run.model, cfg)
+    elif mistake == "half_gradient":
+        halve_gradients(run.accelerator)
+    results = train_steps(run)
+    rank = run.accelerator.process_index
+    (out / f"world_{rank}.json").write_text(json.dumps(world_report(run.accelerator)
+                                                       | resharding))
+    weights = {k: full(v) for k, v in run.model.state_dict().items()}
+    if rank == 0:
+        (out / "train.json").write_text(json.dumps({
+            "losses": [r.loss for r in results],
+            "grad_norms": [r.grad_norm for r in results],
+            "skipped": [r.skipped for r in results]}))
+        torch.save(weights, out / "weights.pt")
+    return run
+
+
 def main():
     action, data_dir, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    cfg = fsdp_config(data_dir, str(out))
-    if action.startswith("train"):
-        # recompute under FSDP2 must give the same gradients as the plain reference
-        cfg = fsdp_config(data_dir, str(out), activation_recompute="full")
-    run = make_run(cfg, data_dir)
+    if action == "train":  # the real step, then both negative controls, in one launch
+        for mistake in (None, "mean_of_means", "half_gradient"):
+            (out / (mistake or "")).mkdir(exist_ok=True)
+            run = train_and_report(data_dir, out / (mistake or ""), mistake)
+    else:
+        run = make_run(fsdp_config(data_dir, str(out)), data_dir)
     rank, optimizers = run.accelerator.process_index, list(run.optimizers.named.values())
-    if action.startswith("train"):
-        resharding = watch_resharding(run.model)
-        if action == "train_mean_of_means":
-            normalise_each_micro_batch(run.model, cfg)
-        elif action == "train_half_gradient":
-            halve_gradients(run.accelerator)
-        results = train_steps(run)
-        (out / f"world_{rank}.json").write_text(json.dumps(world_report(run.accelerator)
-                                                           | resharding))
-        weights = {k: full(v) for k, v in run.model.state_dict().items()}
-        if rank == 0:
-            (out / "train.json").write_text(json.dumps({
-                "losses": [r.loss for r in results],
-                "grad_norms": [r.grad_norm for r in results],
-                "skipped": [r.skipped for r in results]}))
-            torch.save(weights, out / "weights.pt")
-    elif action == "save":
+    if action == "save":
         train_steps(run)
         checkpoint.write_weights_and_optimizers(run.model, optimizers, out / "ckpt")
         state = full_state(run.model, optimizers)
@@ -191,7 +200,7 @@ def main():
         if rank == 0:
             torch.save(state, out / "reference.pt")
             torch.save(outputs, out / "outputs.pt")
-    else:
+    elif action == "load":
         checkpoint.read_weights_and_optimizers(run.model, optimizers, out / "ckpt")
         state = full_state(run.model, optimizers)
         if rank == 0:

@@ -109,9 +109,9 @@ def wait_for_steps(cfg, n: int, proc: subprocess.Popen):
 
 
 def preemptible(data_dir: str, out_dir: str):
-    """Long enough (120 steps, seconds) that a signal sent after step 3 lands mid-run; one
+    """Long enough (60 steps, seconds) that a signal sent after step 3 lands mid-run; one
     checkpoint, at the end."""
-    return micro_config(data_dir, out_dir, total_steps=120, stop_at_step=120, eval_every=1000,
+    return micro_config(data_dir, out_dir, total_steps=60, stop_at_step=60, eval_every=1000,
                         ckpt_every=1000, warmup_steps=10)
 
 
@@ -121,7 +121,7 @@ def straight(small_data_dir, tmp_path_factory) -> dict:
     its logged losses."""
     cfg = preemptible(small_data_dir, str(tmp_path_factory.mktemp("straight")))
     train.main(cfg)
-    return {"weights": checkpoint_weights(cfg, 120),
+    return {"weights": checkpoint_weights(cfg, 60),
             "losses": {r["step"]: r["loss"] for r in train_records(cfg)}}
 
 
@@ -129,9 +129,9 @@ def assert_resumed_exactly(cfg, straight: dict, stopped_at: int):
     """The interrupted run's final weights, and every loss it logged after the stop, equal
     the uninterrupted run's bit for bit (DDP over gloo on 2 ranks sums each gradient as one
     process accumulating 2 micro-batches does: measured equal, not just close)."""
-    assert_weights(checkpoint_weights(cfg, 120), straight["weights"])
+    assert_weights(checkpoint_weights(cfg, 60), straight["weights"])
     after = {r["step"]: r["loss"] for r in train_records(cfg) if r["step"] > stopped_at}
-    assert after == {step: straight["losses"][step] for step in after} and 120 in after
+    assert after == {step: straight["losses"][step] for step in after} and 60 in after
 
 
 def outcome(path: Path) -> tuple[str, int]:
@@ -171,7 +171,7 @@ def test_slurm_script_on_two_nodes_saves_on_sigterm_requeues_and_continues_its_b
     # on a CPU the config's mixed_precision (auto: fp32) wins over the yaml's bf16, aloud
     assert "the launch config's mixed_precision=bf16 is ignored: this run uses no" in output
     word, stopped_at = outcome(tmp_path / f"stacklm-{JOB_ID}.node0")
-    assert word == "stopped" and 3 <= stopped_at < 120
+    assert word == "stopped" and 3 <= stopped_at < 60
     assert outcome(tmp_path / f"stacklm-{JOB_ID}.node1") == ("stopped", stopped_at)
     assert checkpoint.find(cfg.out_dir, "auto") == checkpoint.step_path(cfg.out_dir, stopped_at)
     assert (tmp_path / "stubs.log").read_text().splitlines()[-1] == f"requeue {JOB_ID}"
@@ -182,10 +182,10 @@ def test_slurm_script_on_two_nodes_saves_on_sigterm_requeues_and_continues_its_b
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert f"resumed from {checkpoint.step_path(cfg.out_dir, stopped_at)} at step " \
            f"{stopped_at} (its own; --resume={cfg.resume} is where this run began" in rerun.stdout
-    assert outcome(tmp_path / f"stacklm-{JOB_ID}.node0") == ("finished", 120)
+    assert outcome(tmp_path / f"stacklm-{JOB_ID}.node0") == ("finished", 60)
     assert (tmp_path / "stubs.log").read_text().count("requeue") == 1  # finished: no requeue
     assert not list((Path(cfg.out_dir) / "ckpt").glob("*.replaced"))
-    assert_weights(checkpoint_weights(cfg, 120), straight["weights"], atol=WEIGHT_TOL)
+    assert_weights(checkpoint_weights(cfg, 60), straight["weights"], atol=WEIGHT_TOL)
     after = {r["step"]: r["loss"] for r in train_records(cfg) if r["step"] > stopped_at}
     assert after == pytest.approx({s: straight["losses"][s] for s in after}, rel=LOSS_RTOL)
 
@@ -331,7 +331,7 @@ def test_sigterm_to_the_launcher_alone_saves_and_records_the_stop(small_data_dir
     output, _ = launcher.communicate(timeout=120)
     assert output.count("stop requested after step") == 1, output[-3000:]  # rank 0 prints it
     word, stopped_at = outcome(tmp_path / "out")
-    assert word == "stopped" and 3 <= stopped_at < 120, output[-3000:]
+    assert word == "stopped" and 3 <= stopped_at < 60, output[-3000:]
     assert checkpoint.find(cfg.out_dir, "auto") == checkpoint.step_path(cfg.out_dir, stopped_at)
     assert processes_of(cfg.out_dir) == []
 
@@ -369,7 +369,7 @@ def test_a_sigterm_that_reaches_one_rank_stops_every_rank_at_the_same_step(small
     output, _ = launcher.communicate(timeout=120)
     assert launcher.returncode == 0, output[-3000:]
     word, stopped_at = outcome(tmp_path / "out")
-    assert word == "stopped" and 3 <= stopped_at < 120
+    assert word == "stopped" and 3 <= stopped_at < 60
     assert checkpoint.find(cfg.out_dir, "auto") == checkpoint.step_path(cfg.out_dir, stopped_at)
     assert f"stop requested after step {stopped_at}" in output
 

@@ -230,10 +230,12 @@ def train_cli_args(cfg) -> list[str]:
 # ---------------------------------------------------------------------------------------
 
 def tiny_run(data_dir: str, out_dir: str, **overrides) -> config.TrainConfig:
-    """The `tiny` preset with 2 layers, shortened to 20 steps of 1,024 tokens whose decay leg
-    begins at step 16, on the test sources (their 512-token vocabulary fits tiny's 4,096)."""
+    """The `tiny` preset with 2 layers of width 64, shortened to 20 steps of 1,024 tokens
+    whose decay leg begins at step 16, on the test sources (their 512-token vocabulary fits
+    tiny's 4,096)."""
     cfg = config.apply_overrides(config.tiny(), {
         "micro_batch_size": 4, "global_batch_tokens": 1024, "model.n_layers": 2,
+        "model.d_model": 64, "model.intermediate": 176,
         "data_dir": data_dir, "out_dir": out_dir, "total_steps": 20, "stop_at_step": 20,
         "warmup_steps": 2, "decay_fraction": 0.2, "log_every": 1, "eval_every": 10,
         "eval_tokens": 2048, "ckpt_every": 8, "sample_tokens": 4, "compile_model": "false",

@@ -101,6 +101,21 @@ def test_the_plain_head_is_cross_entropy_on_the_logits_and_equals_the_chunked_on
                                atol=1e-6)
 
 
+def test_the_plain_head_keeps_fp32_logits_under_bf16_autocast():
+    """Under bf16 autocast (a CPU or GPU run in bf16) the blocks' matmuls run in bf16, but
+    the plain head's logits, softmax and sums stay fp32. Oracle: the same (autocast) hidden
+    states through an fp32 matmul and reference_loss. A bf16 head matmul misses it by ~1e-3."""
+    model = small_model(ce_chunk_size=0)
+    ids, targets = torch.randint(0, 97, (2, 12)), torch.randint(0, 97, (2, 12))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(ids, targets=targets).loss
+        hidden = model.hidden_states(ids, None, None).flatten(0, 1)  # (N, C)
+    assert loss.dtype == torch.float32
+    want = M.reference_loss(hidden.float() @ model.embed.weight.T, targets.flatten(),
+                            model.cfg.z_loss).loss
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+
+
 def test_the_embedding_is_the_only_vocab_matrix():
     model = small_model()
     vocab_sized = [name for name, p in model.named_parameters() if 97 in p.shape]

@@ -575,30 +575,30 @@ def run_prepare(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120, check=False)
 
 
-def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str):
-    """Exit status 2 and one `error: ...` line on stderr that names what is wrong."""
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0]
+def refusal(capsys, *args: str) -> str:
+    """prepare's command line in this process: it must exit with status 2 after one
+    `error: ...` line on stderr (test_cli_debug_shows_the_traceback runs a real process)."""
+    with pytest.raises(SystemExit) as exit_info:
+        prepare.main(list(args))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
 
 
-def test_cli_bad_arguments_are_one_line_each(corpus, tmp_path):
+def test_cli_bad_arguments_are_one_line_each(corpus, tmp_path, capsys):
     a_file = tmp_path / "taken"
     a_file.write_text("not a directory")
-    result = run_prepare("--source", str(corpus[0]), "--out", str(a_file), cwd=tmp_path)
-    assert_one_line_error(result, f"--data_dir {a_file}: {a_file} is a file, not a directory")
-    result = run_prepare("--source", str(corpus[0]), "--out", str(a_file / "sub"), cwd=tmp_path)
-    assert_one_line_error(result, f"{a_file} is a file")
+    assert f"--data_dir {a_file}: {a_file} is a file, not a directory" in refusal(
+        capsys, "--source", str(corpus[0]), "--out", str(a_file))
+    assert f"{a_file} is a file" in refusal(capsys, "--source", str(corpus[0]), "--out",
+                                            str(a_file / "sub"))
     missing = tmp_path / "nowhere" / "corpus"
-    result = run_prepare("--source", str(missing), "--out", str(tmp_path / "o"), cwd=tmp_path)
-    assert_one_line_error(result, f"--source {missing}: no such file or directory")
+    assert f"--source {missing}: no such file or directory" in refusal(
+        capsys, "--source", str(missing), "--out", str(tmp_path / "o"))
     (tmp_path / "unprepared").mkdir()
-    result = run_prepare("--verify", str(tmp_path / "unprepared"), cwd=tmp_path)
-    assert_one_line_error(result, str(tmp_path / "unprepared" / "manifest.json"), "is missing",
-                          "python prepare.py")
+    line = refusal(capsys, "--verify", str(tmp_path / "unprepared"))
+    assert str(tmp_path / "unprepared" / "manifest.json") in line and "is missing" in line \
+        and "python prepare.py" in line
     assert not (tmp_path / "o").exists()  # refused before any work
 
 

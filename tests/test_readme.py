@@ -19,9 +19,10 @@ import prepare
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Appended to every command that trains: stop early, evaluate and sample little.
+# Appended to every command that trains: stop early, train on small batches, evaluate and
+# sample little.
 FEW_STEPS = ["--stop_at_step=2", "--eval_tokens=1024", "--sample_tokens=4",
-             "--downstream_items=4"]
+             "--downstream_items=4", "--micro_batch_size=4", "--global_batch_tokens=1024"]
 # Stack-100M itself does not fit a CPU test: the same command with a 1-layer stand-in.
 CPU_STAND_IN = ["--model.n_layers=1", "--model.d_model=64", "--model.n_heads=2",
                 "--model.n_kv_heads=1", "--model.intermediate=128", "--model.max_seq_len=64",
@@ -29,8 +30,11 @@ CPU_STAND_IN = ["--model.n_layers=1", "--model.d_model=64", "--model.n_heads=2",
                 "--total_steps=4", "--warmup_steps=1", "--decay_fraction=0.25",
                 "--stop_at_step=2", "--eval_tokens=128", "--sample_tokens=4"]
 GPU = "needs CUDA GPUs"
+# The runs whose report nothing reads draw none (report.py runs for the tiny run's own and
+# the comparison's, whose figure reads the runs' metrics.jsonl).
+NO_REPORT = FEW_STEPS + ["--write_report=false"]
 # The anneals branch from the stable run's checkpoint, which FEW_STEPS puts at step 2.
-ANNEAL_FROM_STEP_2 = FEW_STEPS + ["--stop_at_step=4", "--resume=out/tiny-stable/ckpt/step_0000002"]
+ANNEAL_FROM_STEP_2 = NO_REPORT + ["--stop_at_step=4", "--resume=out/tiny-stable/ckpt/step_0000002"]
 
 # README command -> ("run", extra flags) or ("skip", why). Order matters: later commands
 # use what earlier ones made (the tiny run's checkpoint, the prepared corpus).
@@ -41,7 +45,7 @@ HOW = {
     "pip install -r requirements-dev.txt": ("skip", "CI runs exactly this before the tests"),
     "python -m pytest -q": ("skip", "this is the test command itself"),
     "python train.py --preset tiny --stop_at_step=240 --out_dir=out/tiny-stable": (
-        "run", FEW_STEPS),
+        "run", NO_REPORT),
     "python train.py --preset tiny --resume=out/tiny-stable/ckpt/step_0000240 "
     "--out_dir=out/tiny-anneal-sqrt": ("run", ANNEAL_FROM_STEP_2),
     "python train.py --preset tiny --decay_shape=linear --resume=out/tiny-stable/ckpt/step_0000240 "
@@ -49,8 +53,8 @@ HOW = {
     "python report.py out/tiny-stable out/tiny-anneal-sqrt out/tiny-anneal-linear "
     "--out out/compare": ("run", []),
     "python train.py --preset tiny --muon_peak_lr=0.01 --model.n_layers=6 "
-    "--out_dir=out/tiny6": ("run", FEW_STEPS),
-    "python train.py --config run.toml": ("run", FEW_STEPS),
+    "--out_dir=out/tiny6": ("run", NO_REPORT),
+    "python train.py --config run.toml": ("run", NO_REPORT),
     "accelerate launch --config_file accelerate_configs/single_gpu.yaml train.py": ("skip", GPU),
     "accelerate launch --config_file accelerate_configs/ddp.yaml train.py": ("skip", GPU),
     "accelerate launch --config_file accelerate_configs/fsdp2.yaml train.py": ("skip", GPU),
@@ -58,7 +62,12 @@ HOW = {
         "skip", "needs SLURM and GPUs; tests/test_cluster.py runs the script itself with stub "
                 "srun and scontrol"),
     "accelerate launch --config_file accelerate_configs/cpu_ddp.yaml train.py --preset tiny "
-    "--micro_batch_size=8 --out_dir=out/tiny-ddp": ("run", FEW_STEPS),
+    "--micro_batch_size=8 --out_dir=out/tiny-ddp": (
+        "run", NO_REPORT + ["--global_batch_tokens=2048"]),  # a micro-batch on each rank
+    "accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 train.py "
+    "--preset tiny --micro_batch_size=8 --out_dir=out/tiny-fsdp2": (
+        "skip", "tests/test_fsdp.py launches train.py with this launch config on 2 CPU "
+                "processes, start to finish, then stopped, resumed and exported"),
     'python prepare.py --source "data/raw/corpus/*.txt" --data_dir data/mycorpus': ("run", []),
     "python prepare.py --source data/raw/docs.jsonl --text_field body --data_dir data/docs": (
         "run", []),

@@ -252,6 +252,49 @@ def test_resume_is_bitwise_exact(small_data_dir, tmp_path):
     assert_weights(checkpoint_weights(straight, 8), checkpoint_weights(halves, 8))
 
 
+@pytest.mark.distributed
+def test_bf16_on_a_cpu_resumes_bitwise_keeps_fp32_state_and_two_ranks_equal_one(
+        small_data_dir, tmp_path):
+    """bf16 autocast on the CPU, what `auto` picks where the CPU computes bf16 natively
+    (forced here: this machine may not). In one fresh process (accelerate fixes a process's
+    precision at its first Accelerator): the run straight to step 8, and the run stopped at
+    4 and resumed, which ends bitwise where the straight one does; the weights and both
+    optimizers' state stay fp32; the losses are not fp32's (autocast ran). 2 DDP ranks
+    equal the one process accumulating 2 micro-batches, to the fp32 test's tolerances."""
+    straight = micro_config(small_data_dir, str(tmp_path / "straight"), mixed_precision="bf16")
+    halves = dataclasses.replace(straight, out_dir=str(tmp_path / "halves"), stop_at_step=4)
+    runs = [cli_args(c) for c in (straight, halves, dataclasses.replace(halves, stop_at_step=8))]
+    script = "import json, sys, train\nfor args in json.loads(sys.argv[1]): train.cli(args)"
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(runs)], cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "precision bf16 (the config's mixed_precision" in done.stdout
+    two = dataclasses.replace(straight, out_dir=str(tmp_path / "two"))
+    launch(two, processes=2)
+    fp32 = micro_config(small_data_dir, str(tmp_path / "fp32"), stop_at_step=2)
+    train.main(fp32)
+
+    losses = [r["loss"] for r in train_records(straight)]
+    assert losses == [r["loss"] for r in train_records(halves)]
+    assert_weights(checkpoint_weights(straight, 8), checkpoint_weights(halves, 8))
+    dtypes = checkpoint_dtypes(straight, 8)
+    assert len(dtypes) > 20 and set(dtypes.values()) == {torch.float32}, dtypes
+    assert train_records(fp32)[1]["loss"] != losses[1]
+    for a, b in zip(train_records(straight), train_records(two), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    assert_weights(checkpoint_weights(straight, 8), checkpoint_weights(two, 8), atol=2e-5)
+
+
+def checkpoint_dtypes(cfg, step: int) -> dict[str, torch.dtype]:
+    """The saved dtype of every floating-point tensor of a checkpoint (weights, Muon momentum,
+    AdamW moments and step), by name, from its DCP metadata."""
+    reader = dcp.FileSystemReader(str(Path(cfg.out_dir) / "ckpt" / f"step_{step:07d}"))
+    return {k: v.properties.dtype for k, v in reader.read_metadata().state_dict_metadata.items()
+            if hasattr(v, "properties") and v.properties.dtype.is_floating_point}
+
+
 # Fields that measure the machine, not the run: they differ between any two runs.
 TIMING_FIELDS = {"tokens_per_s", "tflops", "tflops_palm", "mfu", "mfu_palm", "elapsed_s",
                  "eta_s", "memory_gib"}

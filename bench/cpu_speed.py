@@ -1,0 +1,199 @@
+"""`tiny` on this CPU: fp32 and bf16, eager and compiled, beside nanoGPT's step at its shape.
+
+    python bench/cpu_speed.py                                # 30 timed steps, 2 rounds
+    python bench/cpu_speed.py --steps 2 --warmup 1 --rounds 1 --no-compile   # a smoke run
+
+Every variant trains from the same seed on the same batches (16 × 256 windows of the built-in
+corpus, data/stdlib-4k) in this one process, in interleaved rounds, so drift on shared
+cores hits each alike:
+- stacklm: the `tiny` model and optimizers (train.build_model, optim.build_optimizers), one
+  optimizer step as train_step takes it (forward with the sum of token losses, backward,
+  clip, Muon and AdamW), under torch.autocast(bf16) for bf16 as accelerate wraps it, and
+  with each block compiled (train.build_model) for "compiled". bench/throughput.py measures
+  that the whole loop keeps ≥ 0.95 of such a bare step.
+- nanoGPT: Karpathy's GPT-2 model at the same shape (4 layers, 4 heads, width 256, 256
+  positions, 4,096 tokens, no bias, no dropout; LayerNorm, a 4× GELU MLP, learned
+  positions, the head tied to the embedding) and its train.py step: F.cross_entropy on the
+  logits, backward, clip at 1.0, AdamW (foreach, betas 0.9/0.95, wd 0.1), in fp32 and bf16
+  autocast, eager and torch.compile'd whole; "nanogpt_best" is its fastest.
+tokens/s is the median over the timed steps (after `warmup`) of all rounds; a compiled
+variant's cold start is its first step's seconds less an eager step's, and
+"compile_pays_after_steps" is that cold start over the seconds compiling saves a step
+(none where it saves nothing). "cpu_bf16" says whether this CPU computes bf16 in hardware
+(launch.cpu_computes_bf16), without which bf16 is emulated. One JSON line.
+"""
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import config  # noqa: E402
+import data  # noqa: E402
+import launch  # noqa: E402
+import log  # noqa: E402
+import optim  # noqa: E402
+import prepare  # noqa: E402
+import train  # noqa: E402
+
+
+class GPT(nn.Module):
+    """nanoGPT's model (Karpathy, model.py) at a given shape, bias and dropout off."""
+
+    def __init__(self, vocab: int, width: int, layers: int, heads: int, positions: int):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, width), nn.Embedding(positions, width)
+        self.blocks = nn.ModuleList(GPTBlock(width, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width, bias=False)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied, as nanoGPT ties them
+        for name, p in self.named_parameters():  # GPT-2's init, as nanoGPT's _init_weights
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith("c_proj.weight") else 0.02
+                nn.init.normal_(p, std=std)
+
+    def forward(self, idx, targets):
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(positions)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(width, bias=False), nn.LayerNorm(width, bias=False)
+        self.c_attn = nn.Linear(width, 3 * width, bias=False)
+        self.attn_proj = nn.Linear(width, width, bias=False)
+        self.c_fc = nn.Linear(width, 4 * width, bias=False)
+        self.c_proj = nn.Linear(4 * width, width, bias=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)  # (B, T, C) each
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        x = x + self.attn_proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.c_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+def stacklm_step(cfg, compiled: bool, bf16: bool):
+    """One optimizer step of `tiny`, as train_step takes it, on the batch it is given; the
+    forward under bf16 autocast for bf16, as accelerate wraps a model's forward."""
+    model = train.build_model(cfg, compiled)
+    optimizers = optim.build_optimizers(model, cfg)
+    optimizers.set_lr(1.0)  # the peak rates
+
+    def step(batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(**batch, reduction="sum").loss
+        (loss / cfg.global_batch_tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizers.step()
+        optimizers.zero_grad()
+        return loss
+    return step
+
+
+def nanogpt_step(cfg, compiled: bool, bf16: bool):
+    """One step of nanoGPT's train.py at tiny's shape (one micro-batch a step, as tiny), its
+    forward under bf16 autocast for bf16, as its `ctx` does."""
+    torch.manual_seed(cfg.seed)
+    m = cfg.model
+    model = GPT(m.vocab_size, m.d_model, m.n_layers, m.n_heads, cfg.seq_len)
+    forward = torch.compile(model) if compiled else model
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": rest, "weight_decay": 0.0}],
+                            lr=cfg.adamw_peak_lr, betas=(0.9, 0.95), foreach=True)
+
+    def step(batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = forward(batch["input_ids"], batch["targets"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
+VARIANTS = {  # name: (make a step, bf16, compiled)
+    "stacklm_fp32_eager": (stacklm_step, False, False),
+    "stacklm_fp32_compiled": (stacklm_step, False, True),
+    "stacklm_bf16_eager": (stacklm_step, True, False),
+    "stacklm_bf16_compiled": (stacklm_step, True, True),
+    "nanogpt_fp32_eager": (nanogpt_step, False, False),
+    "nanogpt_fp32_compiled": (nanogpt_step, False, True),
+    "nanogpt_bf16_eager": (nanogpt_step, True, False),
+    "nanogpt_bf16_compiled": (nanogpt_step, True, True),
+}
+
+
+def timed_steps(make, bf16: bool, compiled: bool, cfg, batches: list) -> list[float]:
+    """Seconds of each step, the first (compilation included) first."""
+    step = make(cfg, compiled, bf16)
+    seconds = []
+    for batch in batches:
+        t0 = time.perf_counter()
+        float(step(batch))  # the loop reads its loss every step
+        seconds.append(time.perf_counter() - t0)
+    return seconds
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
+    parser.add_argument("--no-compile", action="store_true", help="eager variants only")
+    args = parser.parse_args()
+    cfg = config.tiny()
+    prepare.ensure_builtin([cfg.data_dir], cfg.model.vocab_size)
+    loader = data.PackedShardLoader(cfg.data_dir, "train", cfg.seq_len, cfg.micro_batch_size,
+                                    seed=cfg.seed)
+    batches = [next(loader) for _ in range(args.warmup + args.steps)]  # (16, 256) each
+    names = [n for n, (_, _, compiled) in VARIANTS.items() if not (compiled and args.no_compile)]
+    seconds = {name: [] for name in names}
+    for _ in range(args.rounds):
+        for name in names:
+            seconds[name].append(timed_steps(*VARIANTS[name], cfg, batches))
+    tokens = cfg.global_batch_tokens
+    step_s = {n: statistics.median(s for run in seconds[n] for s in run[args.warmup:])
+              for n in names}
+    result = {"bench": "cpu_speed", "device": log.device_name(torch.device("cpu")),
+              "steps": args.steps,
+              "rounds": args.rounds, "cpu_bf16": launch.cpu_computes_bf16(),
+              "tokens_per_s": {n: round(tokens / s, 1) for n, s in step_s.items()}}
+    nanogpt = {n: v for n, v in result["tokens_per_s"].items() if n.startswith("nanogpt")}
+    best = max(nanogpt, key=nanogpt.get)
+    result["nanogpt_best"] = {"variant": best, "tokens_per_s": nanogpt[best]}
+    result["vs_fp32_eager"] = {n: round(step_s["stacklm_fp32_eager"] / s, 3)
+                               for n, s in step_s.items() if n.startswith("stacklm")}
+    result["vs_nanogpt_best"] = {n: round(step_s[best] / s, 3)
+                                 for n, s in step_s.items() if n.startswith("stacklm")}
+    result["compile"] = {}
+    for compiled in (n for n in names if n.endswith("_compiled")):
+        eager = compiled.replace("_compiled", "_eager")
+        cold = seconds[compiled][0][0] - step_s[eager]  # the first round's: a cold cache
+        saved = step_s[eager] - step_s[compiled]
+        result["compile"][compiled] = {
+            "cold_start_s": round(cold, 1),
+            "pays_after_steps": math.ceil(cold / saved) if saved > 0 else None}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

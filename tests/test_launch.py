@@ -1,0 +1,76 @@
+"""launch.py's choices for `auto`: bf16 where the CPU computes it in hardware (read from its
+flags, checked here against /proc/cpuinfo texts of the kinds the kernel writes), fp32 on any
+other CPU, bf16 on a GPU; an explicit knob wins; the banner says what was chosen and why."""
+
+import types
+
+import pytest
+import torch
+
+import config
+import launch
+import log
+import optim
+from model import Transformer
+
+# /proc/cpuinfo as Linux writes it: a block per core, x86's `flags`, Arm's `Features`.
+ZEN4 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n"
+ZEN3 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma\n"
+SAPPHIRE_RAPIDS = "processor\t: 0\nflags\t\t: avx512f amx_tile amx_bf16 amx_int8\n"
+GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\nCPU implementer\t: 0x41\n"
+GRAVITON2 = "processor\t: 0\nFeatures\t: fp asimd crc32 atomics\nCPU implementer\t: 0x41\n"
+
+
+@pytest.mark.parametrize("cpuinfo, native", [(ZEN4, True), (ZEN3, False),
+                                              (SAPPHIRE_RAPIDS, True), (GRAVITON3, True),
+                                              (GRAVITON2, False), (ZEN3 + "\n" + ZEN3, False),
+                                              ("model name\t: avx512_bf16 inside\n", False)])
+def test_bf16_in_hardware_is_read_from_the_cpus_flags(tmp_path, cpuinfo, native):
+    """Only the flags lines count (a model name that mentions a flag does not)."""
+    (tmp_path / "cpuinfo").write_text(cpuinfo)
+    assert launch.cpu_computes_bf16(tmp_path / "cpuinfo") is native
+
+
+def test_without_proc_cpuinfo_the_cpu_counts_as_having_no_bf16(tmp_path):
+    assert launch.cpu_computes_bf16(tmp_path / "absent") is False
+
+
+@pytest.mark.parametrize("cuda, native, want", [
+    (False, False, ("no", "auto: this CPU has no bf16 arithmetic")),
+    (False, True, ("bf16", "auto: this CPU computes bf16 natively")),
+    (True, False, ("bf16", "auto: a GPU"))])
+def test_auto_precision_is_what_this_machine_computes_fastest(monkeypatch, cuda, native, want):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(launch, "cpu_computes_bf16", lambda: native)
+    precision, why = launch.precision(config.tiny())
+    assert (precision, why[:len(want[1])]) == want
+    for explicit in ("no", "bf16"):  # an explicit knob wins, whatever the machine
+        chosen = config.apply_overrides(config.tiny(), {"mixed_precision": explicit})
+        assert launch.precision(chosen) == (explicit, "the config's mixed_precision")
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_auto_compiles_on_a_gpu_only_and_an_explicit_knob_wins(monkeypatch, cuda):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert launch.use_compile(config.tiny())[0] is cuda
+    for explicit, want in (("true", True), ("false", False)):
+        chosen = config.apply_overrides(config.tiny(), {"compile_model": explicit})
+        assert launch.use_compile(chosen) == (want, "the config's compile_model")
+
+
+def test_the_banner_says_what_auto_chose_and_why(monkeypatch):
+    """The hardware line names the precision and compilation in use, each with its reason."""
+    monkeypatch.setattr(launch, "cpu_computes_bf16", lambda: True)
+    cfg = config.tiny()
+    precision, why = launch.precision(cfg)
+    accelerator = types.SimpleNamespace(num_processes=1, device=torch.device("cpu"),
+                                        distributed_type=types.SimpleNamespace(value="NO"),
+                                        mixed_precision=precision)
+    hardware = log.hardware(accelerator, False, launch.use_compile(cfg), why)
+    start = log.Start(hardware, "abc", [], {cfg.data_dir: 1.0}, {cfg.data_dir: 10})
+    model = Transformer(cfg.model)
+    text = log.banner(cfg, start, model, optim.build_optimizers(model, cfg), "schedule",
+                      log.model_flops(cfg))
+    assert "precision bf16 (auto: this CPU computes bf16 natively; mixed_precision=auto wins " \
+           "over a launch config's), compile False (auto: on a CPU it does not pay back its " \
+           "cold start)" in text
