@@ -163,8 +163,8 @@ class TrainConfig:
     seed: int = knob(1337, "seeds the initial weights, the data order and the sample",
                      section="hardware and numerics: auto picks what this machine computes "
                              "fastest, and the banner says why")
-    compile_model: str = knob("auto", "torch.compile each block (auto: on CUDA only; on a "
-                                      "CPU its cold start does not pay back)")
+    compile_model: str = knob("auto", "torch.compile each block (auto: on CUDA, and on a CPU "
+                                      "for runs of 500+ steps, where it pays back)")
     mixed_precision: str = knob("auto", "autocast (auto: bf16 on CUDA and on a CPU that "
                                         "computes bf16 natively, else no: fp32)")
     loss_head_dtype: str = knob("fp32", "the chunked loss head's matmul inputs; bf16 keeps fp32 "

@@ -8,8 +8,9 @@ corpus, data/stdlib-4k) in this one process, in interleaved rounds, so drift on 
 cores hits each alike:
 - stacklm: the `tiny` model and optimizers (train.build_model, optim.build_optimizers), one
   optimizer step as train_step takes it (forward with the sum of token losses, backward,
-  clip, Muon and AdamW), under torch.autocast(bf16) for bf16 as accelerate wraps it, and
-  with each block compiled (train.build_model) for "compiled". bench/throughput.py measures
+  clip, Muon and AdamW), under torch.autocast(bf16) for bf16 as accelerate wraps it and
+  with Muon's Newton–Schulz in bf16 as train.py sets it, and with each block compiled
+  (train.build_model) for "compiled". bench/throughput.py measures
   that the whole loop keeps ≥ 0.95 of such a bare step.
 - nanoGPT: Karpathy's GPT-2 model at the same shape (4 layers, 4 heads, width 256, 256
   positions, 4,096 tokens, no bias, no dropout; LayerNorm, a 4× GELU MLP, learned
@@ -20,7 +21,9 @@ tokens/s is the median over the timed steps (after `warmup`) of all rounds; a co
 variant's cold start is its first step's seconds less an eager step's, and
 "compile_pays_after_steps" is that cold start over the seconds compiling saves a step
 (none where it saves nothing). "cpu_bf16" says whether this CPU computes bf16 in hardware
-(launch.cpu_computes_bf16), without which bf16 is emulated. One JSON line.
+(launch.cpu_computes_bf16), without which bf16 is emulated. "first_loss" is each variant's
+loss per target token on the first batch: about ln(4,096) = 8.318 for both models, whose
+initial predictions are near uniform. One JSON line.
 """
 
 import argparse
@@ -92,17 +95,17 @@ def stacklm_step(cfg, compiled: bool, bf16: bool):
     """One optimizer step of `tiny`, as train_step takes it, on the batch it is given; the
     forward under bf16 autocast for bf16, as accelerate wraps a model's forward."""
     model = train.build_model(cfg, compiled)
-    optimizers = optim.build_optimizers(model, cfg)
+    optimizers = optim.build_optimizers(model, cfg, torch.bfloat16 if bf16 else None)
     optimizers.set_lr(1.0)  # the peak rates
 
     def step(batch):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = model(**batch, reduction="sum").loss
-        (loss / cfg.global_batch_tokens).backward()
+            loss = model(**batch, reduction="sum").loss / cfg.global_batch_tokens
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizers.step()
         optimizers.zero_grad()
-        return loss
+        return loss.detach()
     return step
 
 
@@ -126,7 +129,7 @@ def nanogpt_step(cfg, compiled: bool, bf16: bool):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        return loss.detach()
     return step
 
 
@@ -142,15 +145,15 @@ VARIANTS = {  # name: (make a step, bf16, compiled)
 }
 
 
-def timed_steps(make, bf16: bool, compiled: bool, cfg, batches: list) -> list[float]:
-    """Seconds of each step, the first (compilation included) first."""
+def timed_steps(make, bf16: bool, compiled: bool, cfg, batches: list):
+    """Seconds of each step, the first (compilation included) first, and the first loss."""
     step = make(cfg, compiled, bf16)
-    seconds = []
+    seconds, losses = [], []
     for batch in batches:
         t0 = time.perf_counter()
-        float(step(batch))  # the loop reads its loss every step
+        losses.append(float(step(batch)))  # the loop reads its loss every step
         seconds.append(time.perf_counter() - t0)
-    return seconds
+    return seconds, losses[0]
 
 
 def main():
@@ -166,17 +169,19 @@ def main():
                                     seed=cfg.seed)
     batches = [next(loader) for _ in range(args.warmup + args.steps)]  # (16, 256) each
     names = [n for n, (_, _, compiled) in VARIANTS.items() if not (compiled and args.no_compile)]
-    seconds = {name: [] for name in names}
+    seconds, first_loss = {name: [] for name in names}, {}
     for _ in range(args.rounds):
         for name in names:
-            seconds[name].append(timed_steps(*VARIANTS[name], cfg, batches))
+            run_seconds, first_loss[name] = timed_steps(*VARIANTS[name], cfg, batches)
+            seconds[name].append(run_seconds)
     tokens = cfg.global_batch_tokens
     step_s = {n: statistics.median(s for run in seconds[n] for s in run[args.warmup:])
               for n in names}
     result = {"bench": "cpu_speed", "device": log.device_name(torch.device("cpu")),
               "steps": args.steps,
               "rounds": args.rounds, "cpu_bf16": launch.cpu_computes_bf16(),
-              "tokens_per_s": {n: round(tokens / s, 1) for n, s in step_s.items()}}
+              "tokens_per_s": {n: round(tokens / s, 1) for n, s in step_s.items()},
+              "first_loss": {n: round(loss, 4) for n, loss in first_loss.items()}}
     nanogpt = {n: v for n, v in result["tokens_per_s"].items() if n.startswith("nanogpt")}
     best = max(nanogpt, key=nanogpt.get)
     result["nanogpt_best"] = {"variant": best, "tokens_per_s": nanogpt[best]}

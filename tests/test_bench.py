@@ -211,3 +211,26 @@ def test_downstream_cost_arithmetic_within_the_goals():
     assert bound["share_bound"] <= bound["goal"] == 0.02
     tiny = downstream_cost.tiny_share(config.tiny(), step_s=1.5, score_s=9.0)
     assert tiny["share"] == pytest.approx(9.0 / (100 * 1.5)) and tiny["goal"] == 0.10
+
+
+def test_cpu_speed_times_every_eager_variant_on_the_same_batches():
+    """bench/cpu_speed.py's smoke run: one JSON line with a finite speed for each eager
+    variant, and each one's first loss near ln(vocab), what a near-uniform initial model
+    scores (plain math: a variant fed other data, or a stacklm loss left as a sum over the
+    batch's tokens, lands far from it); the ratios are those of the speeds."""
+    result = subprocess.run([sys.executable, "bench/cpu_speed.py", "--steps", "1", "--warmup",
+                             "1", "--rounds", "1", "--no-compile"], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    eager = {f"{m}_{p}_eager" for m in ("stacklm", "nanogpt") for p in ("fp32", "bf16")}
+    assert set(report["tokens_per_s"]) == set(report["first_loss"]) == eager
+    assert all(math.isfinite(v) and v > 0 for v in report["tokens_per_s"].values())
+    for name, loss in report["first_loss"].items():
+        assert loss == pytest.approx(math.log(config.tiny().model.vocab_size), abs=0.25), name
+    speed = report["tokens_per_s"]
+    assert report["vs_fp32_eager"]["stacklm_bf16_eager"] == pytest.approx(
+        speed["stacklm_bf16_eager"] / speed["stacklm_fp32_eager"], rel=1e-3)
+    assert report["nanogpt_best"]["tokens_per_s"] == max(
+        v for n, v in speed.items() if n.startswith("nanogpt"))
+    assert report["compile"] == {}

@@ -168,7 +168,7 @@ def test_slurm_script_on_two_nodes_saves_on_sigterm_requeues_and_continues_its_b
     output, _ = job.communicate(timeout=180)
     assert job.returncode == 0, output[-4000:]
     assert "micro-batch 4" in output  # 8 sequences per step over 2 ranks
-    # on a CPU the config's mixed_precision (auto: fp32) wins over the yaml's bf16, aloud
+    # the config's mixed_precision (no, as every test's) wins over the yaml's bf16, aloud
     assert "the launch config's mixed_precision=bf16 is ignored: this run uses no" in output
     word, stopped_at = outcome(tmp_path / f"stacklm-{JOB_ID}.node0")
     assert word == "stopped" and 3 <= stopped_at < 60

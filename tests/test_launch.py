@@ -50,12 +50,18 @@ def test_auto_precision_is_what_this_machine_computes_fastest(monkeypatch, cuda,
 
 
 @pytest.mark.parametrize("cuda", [False, True])
-def test_auto_compiles_on_a_gpu_only_and_an_explicit_knob_wins(monkeypatch, cuda):
+def test_auto_compiles_on_a_gpu_and_for_a_long_cpu_run_and_an_explicit_knob_wins(monkeypatch,
+                                                                                   cuda):
+    """On a CPU, auto compiles from CPU_COMPILE_MIN_STEPS steps on (tiny's 300 stay eager,
+    as measured), on a GPU always; an explicit knob wins either way."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    assert launch.use_compile(config.tiny())[0] is cuda
-    for explicit, want in (("true", True), ("false", False)):
-        chosen = config.apply_overrides(config.tiny(), {"compile_model": explicit})
-        assert launch.use_compile(chosen) == (want, "the config's compile_model")
+    for steps in (300, launch.CPU_COMPILE_MIN_STEPS - 1, launch.CPU_COMPILE_MIN_STEPS, 38_147):
+        cfg = config.apply_overrides(config.tiny(), {"total_steps": str(steps),
+                                                     "stop_at_step": str(steps)})
+        assert launch.use_compile(cfg)[0] is (cuda or steps >= launch.CPU_COMPILE_MIN_STEPS)
+        for explicit, want in (("true", True), ("false", False)):
+            chosen = config.apply_overrides(cfg, {"compile_model": explicit})
+            assert launch.use_compile(chosen) == (want, "the config's compile_model")
 
 
 def test_the_banner_says_what_auto_chose_and_why(monkeypatch):
@@ -72,5 +78,5 @@ def test_the_banner_says_what_auto_chose_and_why(monkeypatch):
     text = log.banner(cfg, start, model, optim.build_optimizers(model, cfg), "schedule",
                       log.model_flops(cfg))
     assert "precision bf16 (auto: this CPU computes bf16 natively; mixed_precision=auto wins " \
-           "over a launch config's), compile False (auto: on a CPU it does not pay back its " \
-           "cold start)" in text
+           "over a launch config's), compile False (auto: a CPU run of 300 steps, too short to " \
+           "pay back compiling (500+))" in text
