@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import config  # noqa: E402
 import data  # noqa: E402
-import launch
+import launch  # noqa: E402
 import optim  # noqa: E402
 import prepare  # noqa: E402
 import train  # noqa: E402
@@ -43,7 +43,8 @@ def loop_tokens_per_s(cfg, warmup: int) -> float:
 def bare_tokens_per_s(cfg, steps: int, warmup: int) -> float:
     accelerator = launch.make_accelerator(cfg)
     model = train.build_model(cfg, launch.use_compile(cfg)[0])
-    optimizers = optim.build_optimizers(model, cfg)
+    bf16 = accelerator.mixed_precision == "bf16"  # as train.setup builds them
+    optimizers = optim.build_optimizers(model, cfg, torch.bfloat16 if bf16 else None)
     model, *prepared = accelerator.prepare(model, *optimizers.named.values())
     optimizers = optim.Optimizers(dict(zip(optimizers.named, prepared, strict=True)))
     loader = data.PackedShardLoader(cfg.data_dir, "train", cfg.seq_len, cfg.micro_batch_size)

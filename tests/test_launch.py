@@ -53,10 +53,11 @@ def test_auto_precision_is_what_this_machine_computes_fastest(monkeypatch, cuda,
 def test_auto_compiles_on_a_gpu_and_for_a_long_cpu_run_and_an_explicit_knob_wins(monkeypatch,
                                                                                    cuda):
     """On a CPU, auto compiles from CPU_COMPILE_MIN_STEPS steps on (tiny's 300 stay eager,
-    as measured), on a GPU always; an explicit knob wins either way."""
+    as measured), counted to where the run stops, not to its schedule's end; on a GPU
+    always; an explicit knob wins either way."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     for steps in (300, launch.CPU_COMPILE_MIN_STEPS - 1, launch.CPU_COMPILE_MIN_STEPS, 38_147):
-        cfg = config.apply_overrides(config.tiny(), {"total_steps": str(steps),
+        cfg = config.apply_overrides(config.tiny(), {"total_steps": "38147",
                                                      "stop_at_step": str(steps)})
         assert launch.use_compile(cfg)[0] is (cuda or steps >= launch.CPU_COMPILE_MIN_STEPS)
         for explicit, want in (("true", True), ("false", False)):

@@ -239,6 +239,9 @@ def tiny_run(data_dir: str, out_dir: str, **overrides) -> config.TrainConfig:
         "data_dir": data_dir, "out_dir": out_dir, "total_steps": 20, "stop_at_step": 20,
         "warmup_steps": 2, "decay_fraction": 0.2, "log_every": 1, "eval_every": 10,
         "eval_tokens": 2048, "ckpt_every": 8, "sample_tokens": 4, "compile_model": "false",
+        # fp32 on any CPU, as every in-process run of the suite: accelerate fixes a process's
+        # precision at its first Accelerator, and auto picks bf16 on a CPU that computes it
+        "mixed_precision": "no",
         "downstream": ""})  # the next-line task is tested in test_downstream.py
     return config.apply_overrides(cfg, overrides)
 
@@ -483,6 +486,6 @@ def test_a_source_without_val_trains_unevaluated_and_the_mean_renormalises(sourc
 
 def test_a_run_with_no_val_split_at_all_is_refused_in_setup(no_val, tmp_path, capsys):
     err = run_cli([f"--data_dir={no_val}", f"--out_dir={tmp_path}", "--preset", "tiny",
-                   "--model.vocab_size=512", "--downstream="], capsys)
+                   "--model.vocab_size=512", "--downstream=", "--mixed_precision=no"], capsys)
     assert "no source of this run has a val split" in err and "--val_fraction" in err
     assert not (tmp_path / "metrics.jsonl").exists()  # refused before the log opened

@@ -106,10 +106,11 @@ def poison(cfg, path: Path, kind: str, payload) -> str:
 def test_a_payload_in_any_checkpoint_entry_is_refused_and_runs_nothing(trained, tmp_path,
                                                                        capsys, kind):
     """DCP's default planner unpickles every entry that is not a tensor with full pickle. A
-    checkpoint re-saved with a payload (its __reduce__ creates a file) in one entry of each
-    kind it holds (a directory created by os.mkdir): the resume command refuses it in one line naming the checkpoint and the
-    entry, exit 2, and nothing ran. export.py reads only the weights: a payload among them
-    is refused the same way; one in the optimizers' entries is never unpickled at all."""
+    checkpoint re-saved with a payload (its __reduce__ is os.mkdir) in one entry of each kind
+    it holds: the resume command refuses it in one line naming the checkpoint and the entry,
+    exit 2, and nothing ran (no directory was made). export.py reads only the weights: a
+    payload among them is refused the same way; one in the optimizers' entries is never
+    unpickled at all."""
     out_dir = tmp_path / "run"
     shutil.copytree(trained.out_dir, out_dir)
     cfg = dataclasses.replace(trained, out_dir=str(out_dir), stop_at_step=8)
