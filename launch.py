@@ -217,3 +217,12 @@ def record_outcome(outcome: str, step: int, is_local_main: bool):
         tmp = Path(f"{path}.tmp")
         tmp.write_text(f"{outcome} {step}\n")
         tmp.rename(path)  # whole or absent, never half-written
+
+
+def leave_process_group():
+    """A launched process's last act: destroy its process group while the interpreter is
+    whole. Left to the interpreter's exit, gloo's worker threads can abort a process whose
+    run finished ("terminate called without an active exception", SIGABRT), and with it the
+    launch (pytorch/pytorch#190489)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -84,9 +84,8 @@ class Run:
 
 def main(cfg: TrainConfig, force: bool = False) -> dict:
     """Train as `cfg` says; return the last logged metrics and the final evaluation."""
-    # From here to the end, SIGTERM (a preemption) or Ctrl-C finishes the step in flight,
-    # saves and exits 0 (a second Ctrl-C quits now); one during setup stops after the first
-    # step (step 1, or S + 1 on a resume from step S).
+    # From here on, SIGTERM (a preemption) or Ctrl-C finishes the step in flight, saves and
+    # exits 0 (a second Ctrl-C quits now); in setup, after the first step (S + 1 from step S).
     with launch.StopFlag() as stop:
         run = setup(cfg, force)  # force (--force): start even past a CPU's RAM
         # The log: the terminal, metrics.jsonl (which the run report is drawn from) and wandb.
@@ -394,6 +393,7 @@ def cli(argv=None):
             print("no CUDA GPU found: running the `tiny` preset on the CPU "
                   "(pass --preset stack100m to insist)")
         main(cfg, args.force)
+        launch.leave_process_group()
 
 
 if __name__ == "__main__":

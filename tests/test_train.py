@@ -212,6 +212,28 @@ def test_two_ranks_equal_one_rank_with_accumulation(small_data_dir, tmp_path):
     assert_weights(checkpoint_weights(one, 8), checkpoint_weights(resumed, 8), atol=2e-5)
 
 
+@pytest.mark.distributed
+def test_a_launched_run_leaves_its_process_group_before_the_interpreter_exits(
+        small_data_dir, tmp_path):
+    """train.py's command on 2 DDP ranks destroys its process group before the interpreter
+    exits: left to the exit, gloo's threads can abort a finished run (SIGABRT, "terminate
+    called without an active exception"), as one 3-rank resume did in CI. An exit hook,
+    which runs before the interpreter is torn down, reads it on each rank."""
+    script = tmp_path / "watched.py"
+    script.write_text(
+        "import atexit, sys\nimport torch.distributed as dist\nimport train\n"
+        "atexit.register(lambda: print('process group at exit:', dist.is_initialized()))\n"
+        "train.cli(sys.argv[1:])\n")
+    cfg = micro_config(small_data_dir, str(tmp_path / "run"), stop_at_step=2, eval_every=2)
+    command = launch_command(cfg, processes=2)
+    command[command.index("train.py")] = str(script)
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "hardware: 2 × cpu" in done.stdout  # the ranks did form a process group
+    assert done.stdout.count("process group at exit: False") == 2, done.stdout[-3000:]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
 def test_batches_reach_the_gpu_through_pinned_memory(monkeypatch):
     """Only from pinned memory can the non_blocking copy overlap compute: each tensor is
