@@ -8,6 +8,7 @@ import bisect
 import json
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -530,6 +531,44 @@ def test_nextline_of_moved_files_or_raw_text_says_so_and_the_fix_serves(small_da
     prepare.main(shlex.split(command)[2:])
     items, origin = downstream.nextline_task(value.split(":", 1)[1], small_data_dir)
     assert items and origin == f"{value.split(':', 1)[1]}'s val documents"
+
+
+def test_nextline_that_cannot_serve_says_why_and_bare_nextline_falls_back(small_data_dir,
+                                                                          tmp_path):
+    """Val documents with no line to ask about (every line under NEXTLINE_MIN_CHARS), and a
+    corpus an older stacklm prepared (no list of val documents): `nextline:D` is refused
+    naming which, with the fixes; bare `nextline` on such a run reads the built-in val files
+    and the banner's origin says why. Items none of which fits seq_len are refused."""
+    raw = tmp_path / "short"
+    raw.mkdir()
+    for i in range(200):
+        (raw / f"f{i}.txt").write_text("".join(f"v{i} = {j}\n" for j in range(8)))
+    short = str(tmp_path / "short_data")
+    prepare.prepare(str(raw), short, vocab_size=300, val_fraction=0.2)
+    with pytest.raises(ValueError, match=f"downstream task nextline:{short}: {short}'s [0-9]+ "
+                                         f"val documents have no line to ask about .*prepare "
+                                         f"it with a larger --val_fraction"):
+        downstream.nextline_task(short, small_data_dir)
+    items, origin = downstream.nextline_task(None, short)
+    assert items and origin == ("the built-in corpus's val files, read from the standard "
+                                f"library ({short}'s val documents have no line to ask about)")
+
+    older = tmp_path / "older"
+    shutil.copytree(small_data_dir, older)
+    manifest = json.loads((older / "manifest.json").read_text())
+    del manifest["splits"]["val"]["keys"]
+    (older / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=f"nextline:{older}: {older} was prepared by an older "
+                                         f"stacklm, .*; prepare it again, or pass "
+                                         f"--downstream=nextline"):
+        downstream.nextline_task(str(older), small_data_dir)
+    assert "was prepared by an older stacklm" in downstream.nextline_task(None, str(older))[1]
+
+    made = downstream.nextline_items(downstream.val_documents(small_data_dir))
+    tokenizer = Tokenizer.from_file(str(Path(small_data_dir) / "tokenizer.json"))
+    with pytest.raises(ValueError, match=f"none of its {len(made):,} items fits seq_len=1 "
+                                         f"\\(each choice is a whole line\\); raise --seq_len"):
+        downstream.fitting(made, tokenizer, 1, None)
 
 
 def test_the_report_draws_accuracy_against_chance_and_compares_the_finals(tmp_path):

@@ -71,6 +71,8 @@ BAD_FLAGS = [
     (["--export"], "unknown config key 'export': train.py exports nothing: after training, "
                    "`python export.py OUT_DIR`"),  # the key is refused, not its missing value
     (["--export=out"], "`python export.py OUT_DIR` writes the newest checkpoint"),
+    (["--source=corpus"], "unknown config key 'source': train.py reads prepared data: "
+                          "`python prepare.py --source CORPUS --data_dir DIR`"),
     (["--frobnicate"], "unknown config key 'frobnicate'; see --help for every knob"),
     (["--force=true"], "--force: ignored explicit argument 'true' (the flag takes no value"),
     (["--resume=/nonexistent/step_0000004"], "no train_state.json there"),

@@ -495,6 +495,9 @@ def test_empty_corpus(tmp_path):
     with pytest.raises(ValueError, match="empty corpus.*holds no files"):
         prepare.prepare(str(tmp_path / "empty"), str(tmp_path / "out"))
     (tmp_path / "empty" / "blank.txt").write_text("  \n")
+    with pytest.raises(ValueError, match="empty corpus: every document of .*empty is blank; "
+                                         "check --source and --text_field"):
+        prepare.prepare(str(tmp_path / "empty"), str(tmp_path / "out"))
     (tmp_path / "empty" / "binary.dat").write_bytes(b"\xff\xfe\x00")
     with pytest.raises(ValueError, match="empty corpus"):
         prepare.prepare(str(tmp_path / "empty"), str(tmp_path / "out"))

@@ -218,11 +218,13 @@ def test_a_launched_run_leaves_its_process_group_before_the_interpreter_exits(
     """train.py's command on 2 DDP ranks destroys its process group before the interpreter
     exits: left to the exit, gloo's threads can abort a finished run (SIGABRT, "terminate
     called without an active exception"), as one 3-rank resume did in CI. An exit hook,
-    which runs before the interpreter is torn down, reads it on each rank."""
+    which runs before the interpreter is torn down, reads it on each rank (in one write, so
+    the ranks' lines cannot interleave)."""
     script = tmp_path / "watched.py"
     script.write_text(
-        "import atexit, sys\nimport torch.distributed as dist\nimport train\n"
-        "atexit.register(lambda: print('process group at exit:', dist.is_initialized()))\n"
+        "import atexit, os, sys\nimport torch.distributed as dist\nimport train\n"
+        "atexit.register(lambda: os.write(1, f'process group at exit: "
+        "{dist.is_initialized()}\\n'.encode()))\n"
         "train.cli(sys.argv[1:])\n")
     cfg = micro_config(small_data_dir, str(tmp_path / "run"), stop_at_step=2, eval_every=2)
     command = launch_command(cfg, processes=2)
