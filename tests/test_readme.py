@@ -121,9 +121,7 @@ HOW = {
                 "against transformers in tests/test_hf_export.py"),
     "python train.py --preset tiny --downstream=nextline:data/stdlib-4k,hellaswag:data/tasks/"
     "hellaswag_val.jsonl,arc_easy:data/tasks/ARC-Easy-Test.jsonl,piqa:data/tasks/"
-    "piqa_valid.jsonl": (
-        "skip", "reads task files a user downloads; each reader, and the scorer against a "
-                "plain transformers scorer, are tested in tests/test_downstream.py"),
+    "piqa_valid.jsonl --out_dir=out/tiny-tasks": ("run", NO_REPORT),
     'python sample.py --export out/tiny/export --prompt "def " --num_samples 2': (
         "run", ["--max_new_tokens=8"]),
 }
@@ -143,7 +141,9 @@ def readme_commands() -> list[str]:
 # What make_corpus writes: README's local inputs, at README's paths, and run.toml.
 INPUTS = ("data/raw/corpus/a.txt", "data/raw/docs.jsonl", "data/raw/more.txt", "run.toml",
           "data/raw/fineweb-edu/sample/10BT/000_00000.parquet",
-          "data/raw/fineweb-edu/sample/10BT/001_00000.parquet")
+          "data/raw/fineweb-edu/sample/10BT/001_00000.parquet",
+          "data/tasks/hellaswag_val.jsonl", "data/tasks/ARC-Easy-Test.jsonl",
+          "data/tasks/piqa_valid.jsonl")
 
 
 def make_corpus(cwd: Path):
@@ -165,6 +165,25 @@ def make_corpus(cwd: Path):
     # a run of its own: without out_dir it would continue out/tiny, which has nothing left
     (cwd / "run.toml").write_text('out_dir = "out/run"\nwarmup_steps = 1\nlog_every = 1\n')
     write_fineweb_shards(cwd / "data" / "raw" / "fineweb-edu" / "sample" / "10BT", texts)
+    write_task_files(cwd / "data" / "tasks")
+
+
+def write_task_files(folder: Path):
+    """Four items of each task file README's in-loop command reads, in the layouts of the
+    files README says to fetch (PIQA's labels merged in, as README's snippet does)."""
+    folder.mkdir(parents=True)
+    items = {
+        "hellaswag_val.jsonl": [{"activity_label": "Cooking", "ctx_a": f"A cook mixes {n} eggs.",
+                                 "ctx_b": "then she", "endings": ["bakes.", "sings.", "runs.",
+                                                                  "sleeps."], "label": n % 4}
+                                for n in range(4)],
+        "ARC-Easy-Test.jsonl": [{"id": str(n), "question": {"stem": f"Which is {n}?", "choices": [
+            {"text": t, "label": k} for t, k in (("one", "A"), ("two", "B"), ("three", "C"))]},
+            "answerKey": "ABC"[n % 3]} for n in range(4)],
+        "piqa_valid.jsonl": [{"goal": f"Boil {n} eggs", "sol1": "in water", "sol2": "in air",
+                              "label": n % 2} for n in range(4)]}
+    for name, docs in items.items():
+        (folder / name).write_text("".join(json.dumps(doc) + "\n" for doc in docs))
 
 
 def write_fineweb_shards(folder: Path, texts: list[str]):
@@ -243,6 +262,12 @@ def test_every_readme_command_runs_as_written(tmp_path):
         assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
         assert "Traceback" not in done.stderr, command
         assert "nothing to train" not in done.stdout, command  # each one that trains, trains
+    # The in-loop command scored its four tasks, each at each evaluation.
+    records = [json.loads(line) for line in
+               (cwd / "out" / "tiny-tasks" / "metrics.jsonl").read_text().splitlines()]
+    scored = [r for r in records if r.get("kind") == "eval"]
+    assert len(scored) == 2 and all(f"acc/{task}" in r for r in scored
+                                    for task in ("nextline", "hellaswag", "arc_easy", "piqa"))
     # The reports README shows: the tiny run's own, written by the command, and the overlay.
     assert "finished at step 2 of 2" in (cwd / "out" / "tiny" / "report.md").read_text()
     assert "# Runs compared: tiny-stable, tiny-anneal-sqrt, tiny-anneal-linear" in (
