@@ -4,7 +4,8 @@ config's keys (what an accelerate yaml asks of train.py, read from the environme
 `accelerate launch` gives the workers: `check_launch`, `fsdp_launch`); the signals a
 scheduler sends (`StopFlag`: SIGTERM or Ctrl-C finishes the step, saves, exits 0); and the
 outcome file a launch script reads, since a launcher's exit status cannot tell a clean stop
-from a crash (`record_outcome`).
+from a crash (`record_outcome`); and the process group left before the process exits
+(`leave_process_group`).
 
 Imports from stacklm: cli (is_rank0, for the one acknowledgement of a stop). It takes a
 config object.
