@@ -107,9 +107,9 @@ class Muon(torch.optim.Optimizer):
 
     ns_dtype is the Newton–Schulz precision; None picks bf16 on GPUs (as Jordan et al.:
     the iteration tolerates it and tensor cores make it fast) and float32 on CPUs, where
-    bf16 pays only on those that compute it in hardware: train.py passes bf16 for every bf16
-    run (on tiny's matrices, 2.7x faster than float32 on a CPU with AVX512_BF16; emulated
-    bf16 would be several times slower).
+    bf16 pays only on those that compute it in hardware: build_optimizers passes bf16 for
+    every bf16 run (on tiny's matrices, 2.7x faster than float32 on a CPU with
+    AVX512_BF16; emulated bf16 would be several times slower).
 
     Same-shape matrices are bucketed once, when the optimizer is built; a GPU orthogonalises
     each bucket as one batched Newton–Schulz. Under FSDP2 (Shard(0) DTensor parameters)
@@ -309,8 +309,7 @@ def scatter_from_owner(p: DTensor, rows: torch.Tensor, whole: torch.Tensor | Non
 # Parameter routing
 # ---------------------------------------------------------------------------------------
 
-def build_optimizers(model: torch.nn.Module, cfg, ns_dtype: torch.dtype | None = None
-                     ) -> "Optimizers":
+def build_optimizers(model: torch.nn.Module, cfg, mixed_precision: str = "no") -> "Optimizers":
     """Muon for the hidden matrices, AdamW for the rest, every group starting at its peak lr.
 
     - Muon: every 2-D parameter except the embedding, i.e. the attention and MLP
@@ -326,7 +325,9 @@ def build_optimizers(model: torch.nn.Module, cfg, ns_dtype: torch.dtype | None =
     the matrices go to a second AdamW at adamw_peak_lr instead (the all-AdamW baseline of
     bench/recipe.py): Optimizers({"adamw_matrices": AdamW, "adamw": AdamW}). Every group
     records its `peak_lr`; `Optimizers.set_lr` scales it by the schedule each step.
-    ns_dtype is Muon's Newton–Schulz precision (None: Muon's own choice).
+    mixed_precision is the run's (accelerate's "bf16" or "no"): a bf16 run orthogonalises
+    in bf16 too, as bf16 is fast wherever the run computes in it; otherwise Muon's
+    Newton–Schulz takes its own default (`Muon`'s ns_dtype).
     """
     embedding = model.embed.weight
     matrices, tables, gains = [], [], []
@@ -342,7 +343,8 @@ def build_optimizers(model: torch.nn.Module, cfg, ns_dtype: torch.dtype | None =
         matrix_optimizer = Muon(
             [dict(params=matrices, name="matrices", peak_lr=cfg.muon_peak_lr)],
             lr=cfg.muon_peak_lr, momentum=cfg.muon_momentum, weight_decay=cfg.weight_decay,
-            adjust_lr=cfg.muon_adjust_lr, ns_dtype=ns_dtype)
+            adjust_lr=cfg.muon_adjust_lr,
+            ns_dtype=torch.bfloat16 if mixed_precision == "bf16" else None)
     else:
         name = "adamw_matrices"
         matrix_optimizer = torch.optim.AdamW(

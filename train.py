@@ -159,8 +159,7 @@ def setup(cfg: TrainConfig, force: bool = False) -> Run:
     if plan.sharded:  # before the optimizers are built, so they hold the sharded parameters
         model = shard_model(model, accelerator.device, bf16,
                             launch.reshard_after_forward(os.environ))
-    # Muon orthogonalises in bf16 where the run computes in bf16, as bf16 is fast there
-    optimizers = optim.build_optimizers(model, cfg, torch.bfloat16 if bf16 else None)
+    optimizers = optim.build_optimizers(model, cfg, accelerator.mixed_precision)
     accelerator.print(log.banner(cfg, plan.start, model, optimizers, optim.schedule_summary(cfg),
                                  log.model_flops(cfg)))
     accelerator.print("\n".join(plan.warnings), end="\n" if plan.warnings else "")

@@ -9,7 +9,7 @@ cores hits each alike:
 - stacklm: the `tiny` model and optimizers (train.build_model, optim.build_optimizers), one
   optimizer step as train_step takes it (forward with the sum of token losses, backward,
   clip, Muon and AdamW), under torch.autocast(bf16) for bf16 as accelerate wraps it and
-  with Muon's Newton–Schulz in bf16 as train.py sets it, and with each block compiled
+  with Muon's Newton–Schulz in bf16 as build_optimizers sets it, and with each block compiled
   (train.build_model) for "compiled". bench/throughput.py measures
   that the whole loop keeps ≥ 0.95 of such a bare step.
 - nanoGPT: Karpathy's GPT-2 model at the same shape (4 layers, 4 heads, width 256, 256
@@ -95,7 +95,7 @@ def stacklm_step(cfg, compiled: bool, bf16: bool):
     """One optimizer step of `tiny`, as train_step takes it, on the batch it is given; the
     forward under bf16 autocast for bf16, as accelerate wraps a model's forward."""
     model = train.build_model(cfg, compiled)
-    optimizers = optim.build_optimizers(model, cfg, torch.bfloat16 if bf16 else None)
+    optimizers = optim.build_optimizers(model, cfg, "bf16" if bf16 else "no")
     optimizers.set_lr(1.0)  # the peak rates
 
     def step(batch):

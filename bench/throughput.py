@@ -43,8 +43,7 @@ def loop_tokens_per_s(cfg, warmup: int) -> float:
 def bare_tokens_per_s(cfg, steps: int, warmup: int) -> float:
     accelerator = launch.make_accelerator(cfg)
     model = train.build_model(cfg, launch.use_compile(cfg)[0])
-    bf16 = accelerator.mixed_precision == "bf16"  # as train.setup builds them
-    optimizers = optim.build_optimizers(model, cfg, torch.bfloat16 if bf16 else None)
+    optimizers = optim.build_optimizers(model, cfg, accelerator.mixed_precision)
     model, *prepared = accelerator.prepare(model, *optimizers.named.values())
     optimizers = optim.Optimizers(dict(zip(optimizers.named, prepared, strict=True)))
     loader = data.PackedShardLoader(cfg.data_dir, "train", cfg.seq_len, cfg.micro_batch_size)

@@ -365,6 +365,14 @@ def test_frozen_parameters_are_left_out():
     assert all(p is not model.blocks[0].attn.q_proj.weight for p in muon.param_groups[0]["params"])
 
 
+def test_a_bf16_run_orthogonalises_in_bf16_and_any_other_takes_muons_default():
+    """README: a bf16 run runs Newton–Schulz in bf16 (on a CPU too); an fp32 run leaves it
+    to Muon (float32 on a CPU, bf16 on a GPU)."""
+    for precision, want in (("bf16", torch.bfloat16), ("no", None)):
+        muon = build_optimizers(StandInModel(), TrainConfig(), precision).named["muon"]
+        assert muon.ns_dtype is want, precision
+
+
 def test_summary_is_one_line_of_counts_and_numels():
     line = build_optimizers(StandInModel(), TrainConfig()).summary()
     matrices = 2 * (16 * 16 * 2 + 16 * 8 * 2 + 16 * 40 * 3)
