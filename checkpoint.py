@@ -135,7 +135,8 @@ def read_dcp(state_dict: dict, path: Path):
     non-tensor entries through WeightsOnlyLoadPlanner."""
     metadata = Path(path) / ".metadata"
     with open(metadata, "rb") as f:
-        MetadataUnpickler(f, metadata).load()  # raises UnsafeCheckpointError before any call
+        layout = MetadataUnpickler(f, metadata).load()  # raises UnsafeCheckpointError first
+    check_files(layout, Path(path))
     planner = WeightsOnlyLoadPlanner(Path(path))
     try:
         dcp.load(state_dict, checkpoint_id=str(path), planner=planner)
@@ -143,6 +144,23 @@ def read_dcp(state_dict: dict, path: Path):
         if planner.refused:
             raise planner.refused from None
         raise
+
+
+def check_files(layout, path: Path):
+    """Every file DCP's metadata `layout` says holds a tensor or an entry must be there, and
+    at least as long as the last byte it is read to (DCP's own error names neither: a
+    missing `__1_0.distcp` is a bare "No such file or directory" from rank 0)."""
+    needed = {}
+    for where in layout.storage_data.values():
+        needed[where.relative_path] = max(needed.get(where.relative_path, 0),
+                                          where.offset + where.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise DamagedCheckpointError(f"{file} is missing (.metadata lists it)")
+        if file.stat().st_size < size:
+            raise DamagedCheckpointError(f"{file} is cut short: {file.stat().st_size:,} bytes, "
+                                         f".metadata reads it to byte {size:,}")
 
 
 def ckpt_root(out_dir) -> Path:
@@ -178,18 +196,28 @@ def set_aside(path: Path, reason: str) -> Path:
     return target
 
 
+# What other trainers call the newest checkpoint: stacklm's word is auto.
+NEWEST_ELSEWHERE = ("latest", "last", "newest")
+
+
 def find(out_dir, resume: str) -> Path | None:
     """`resume`: "none", a checkpoint path, or "auto" = the newest complete checkpoint."""
     if resume == "none":
         return None
-    if resume != "auto":
-        path = Path(resume)
-        if not (path / "train_state.json").exists():
-            raise FileNotFoundError(f"resume={resume}: no train_state.json there; point it at "
-                                    f"an out_dir/ckpt/step_XXXXXXX folder")
-        return path
-    done = complete_checkpoints(out_dir)
-    return done[-1] if done else None
+    if resume == "auto":
+        done = complete_checkpoints(out_dir)
+        return done[-1] if done else None
+    path = Path(resume)
+    if resume in NEWEST_ELSEWHERE and not path.exists():
+        raise ValueError(f"resume={resume}: the newest checkpoint is --resume=auto here (the "
+                         f"default); or name a checkpoint folder, out_dir/ckpt/step_XXXXXXX")
+    if path.is_file() and path.name == "train_state.json":
+        raise ValueError(f"resume={resume} is the checkpoint's train_state.json; name the folder "
+                         f"that holds it: --resume={path.parent}")
+    if not (path / "train_state.json").exists():
+        raise FileNotFoundError(f"resume={resume}: no train_state.json there; point it at "
+                                f"an out_dir/ckpt/step_XXXXXXX folder")
+    return path
 
 
 def unwrapped_optimizer(optimizer):
@@ -268,8 +296,9 @@ def load(accelerator, model, optimizers: list, path: Path):
     partial: load another checkpoint over it, which rewrites every tensor)."""
     with reading(path):
         read_weights_and_optimizers(model, [unwrapped_optimizer(o) for o in optimizers], path)
-        rng_file = Path(path) / f"rng_rank{accelerator.process_index}.pt"
-        if rng_file.exists():  # absent when resuming on more ranks than saved
+    rng_file = Path(path) / f"rng_rank{accelerator.process_index}.pt"
+    if rng_file.exists():  # absent when resuming on more ranks than saved
+        with reading(rng_file):
             set_rng_state(read_tensors(rng_file))
 
 
@@ -287,15 +316,25 @@ def read_tensors(path: Path):
 
 @contextlib.contextmanager
 def reading(path: Path):
-    """Any failure to read checkpoint `path` becomes one DamagedCheckpointError naming it;
-    a file refused as unsafe stays an UnsafeCheckpointError."""
+    """Any failure to read checkpoint `path` becomes one DamagedCheckpointError naming it and
+    the cause (DCP's: the first failing rank's own error); a file refused as unsafe stays an
+    UnsafeCheckpointError, and a damaged one keeps its message."""
     try:
         yield
-    except UnsafeCheckpointError:
+    except (UnsafeCheckpointError, DamagedCheckpointError):
         raise
     except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException
-        reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        raise DamagedCheckpointError(f"{path}: {reason}") from e
+        raise DamagedCheckpointError(f"{path}: {failure(e)}") from e
+
+
+def failure(error: BaseException) -> str:
+    """An error's type and first line, and for DCP's CheckpointException, which says only
+    which ranks failed, that of the first rank's own error."""
+    if isinstance(error, dcp.CheckpointException) and error.failures:
+        rank, (error, _) = min(error.failures.items())
+        return f"rank {rank}: {failure(error)}"
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 def write_weights_and_optimizers(model, optimizers: list, path: Path):

@@ -1,7 +1,7 @@
 """Command-line plumbing that every command shares (train.py, prepare.py, export.py,
-sample.py, report.py and config.py's own): a mistake a user can fix is one line, not a
-traceback or argparse's usage; so is a command with nothing to do, and a Ctrl-C that
-interrupts it.
+sample.py, report.py, config.py's own and the benchmarks): a mistake a user can fix is one
+line, not a traceback or argparse's usage; so is a command with nothing to do, and a Ctrl-C
+that interrupts it.
 
 Imports from stacklm: nothing.
 """
@@ -58,6 +58,21 @@ class ArgumentParser(argparse.ArgumentParser):
         if is_rank0():
             print(f"error: {message}; `{self.prog} --help` lists the flags", file=sys.stderr)
         sys.exit(2)
+
+
+def at_least(minimum: int):
+    """An argparse `type`: a whole number of at least `minimum`, else the commands' one line
+    (a benchmark's --steps 0 would end in an empty median's traceback)."""
+    def whole_number(text: str) -> int:
+        try:
+            value = int(text.replace("_", ""))
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got "
+                                             f"{text!r}")
+        return value
+    return whole_number
 
 
 def is_rank0() -> bool:

@@ -165,8 +165,8 @@ class TrainConfig:
                              "fastest, and the banner says why")
     compile_model: str = knob("auto", "torch.compile each block (auto: on CUDA, and on a CPU "
                                       "for runs of 500+ steps, where it pays back)")
-    mixed_precision: str = knob("auto", "autocast (auto: bf16 on CUDA and on a CPU that "
-                                        "computes bf16 natively, else no: fp32)")
+    mixed_precision: str = knob("auto", "autocast (auto: bf16 on a GPU or CPU that computes "
+                                        "bf16 natively, else no: fp32)")
     loss_head_dtype: str = knob("fp32", "the chunked loss head's matmul inputs; bf16 keeps fp32 "
                                         "accumulation, logits and logsumexp")
     activation_recompute: str = knob("none", "none | full | every-N: blocks recomputed in "

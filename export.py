@@ -71,17 +71,22 @@ def export(out_dir, fmt: str = "stacklm", resume: str = "auto",
     """out_dir/export/ (fmt "stacklm") or out_dir/export-hf/ (fmt "hf") from the checkpoint
     `resume` names (auto: the newest in out_dir). The tokenizer is read from the
     checkpoint's data_dir, or from `data_dir` if given (the data moved)."""
+    check_run_folder(Path(out_dir))
     ckpt = checkpoint.find(out_dir, resume)
     if ckpt is None:
         raise FileNotFoundError(f"no checkpoint in {checkpoint.ckpt_root(out_dir)} to export; "
                                 f"train first, or pass --resume PATH to a checkpoint folder")
     folder = Path(out_dir) / ("export-hf" if fmt == "hf" else "export")
     check_folder(folder, HF_FILES if fmt == "hf" else STACKLM_FILES)
-    state = checkpoint.read_train_state(ckpt)
-    model_cfg = checkpoint_model(ckpt, state)
-    source = parse_mixture(data_dir or state["config"]["data_dir"])[0][0]  # one tokenizer
-    tokenizer = trained_tokenizer(ckpt, state, source, given=data_dir is not None)
-    weights = checkpoint.read_model(ckpt, Transformer(model_cfg))
+    try:
+        state = checkpoint.read_train_state(ckpt)
+        model_cfg = checkpoint_model(ckpt, state)
+        source = parse_mixture(data_dir or state["config"]["data_dir"])[0][0]  # one tokenizer
+        tokenizer = trained_tokenizer(ckpt, state, source, given=data_dir is not None)
+        weights = checkpoint.read_model(ckpt, Transformer(model_cfg))
+    except checkpoint.DamagedCheckpointError as e:
+        raise checkpoint.DamagedCheckpointError(f"{e}; {another_checkpoint(out_dir, ckpt)}") \
+            from None
     provenance = {"checkpoint": str(ckpt), "step": state["step"],
                   "trained_by": state["revision"], "exported_by": log.code_revision()}
     if fmt == "hf":
@@ -94,6 +99,23 @@ def export(out_dir, fmt: str = "stacklm", resume: str = "auto",
     out = write_stacklm(folder, weights, model_cfg, tokenizer, provenance)
     print(f"exported {ckpt} to {out}; try: python sample.py --export {out}")
     return out
+
+
+def check_run_folder(out_dir: Path):
+    """OUT_DIR is a run's folder (it holds ckpt/), not one of its checkpoints: an export
+    written inside a checkpoint would go when pruning deletes that checkpoint."""
+    if (out_dir / "train_state.json").is_file():
+        run = out_dir.parent.parent if out_dir.parent.name == "ckpt" else Path("OUT_DIR")
+        raise ValueError(f"{out_dir} is a checkpoint, not a run's out_dir; export it with "
+                         f"`python export.py {run} --resume {out_dir}`")
+
+
+def another_checkpoint(out_dir, ckpt: Path) -> str:
+    """The fix for a checkpoint that cannot be read: export the newest other one."""
+    others = [p for p in checkpoint.complete_checkpoints(out_dir) if p.resolve() != ckpt.resolve()]
+    if not others:
+        return "restore the file; this run has no other checkpoint to export"
+    return f"export another checkpoint: `python export.py {out_dir} --resume {others[-1]}`"
 
 
 def checkpoint_model(ckpt: Path, state: dict) -> StackConfig:

@@ -1,22 +1,25 @@
 """How a run meets its launcher and its machine: the Accelerator, with the precision and
 compilation this machine gets (`make_accelerator`, `precision`, `use_compile`); the launch
 config's keys (what an accelerate yaml asks of train.py, read from the environment
-`accelerate launch` gives the workers: `check_launch`, `fsdp_launch`); the signals a
-scheduler sends (`StopFlag`: SIGTERM or Ctrl-C finishes the step, saves, exits 0); and the
-outcome file a launch script reads, since a launcher's exit status cannot tell a clean stop
-from a crash (`record_outcome`); and the process group left before the process exits
-(`leave_process_group`).
+`accelerate launch` gives the workers: `check_launch`, `precision_warnings`, `fsdp_launch`);
+the signals a scheduler sends (`StopFlag`: SIGTERM or Ctrl-C finishes the step, saves,
+exits 0); the outcome file a launch script reads, since a launcher's exit status cannot
+tell a clean stop from a crash (`record_outcome`); and the process group, left after a
+barrier on every way out (`leaving_process_group`).
 
 Imports from stacklm: cli (is_rank0, for the one acknowledgement of a stop). It takes a
 config object.
 """
 
+import contextlib
+import datetime
 import os
 import signal
 import threading
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator, PartialState
 
 from cli import is_rank0
@@ -25,7 +28,9 @@ from cli import is_rank0
 def make_accelerator(cfg) -> Accelerator:
     """One Accelerator for the run. The world size must be known before it exists (it sets
     the accumulation), so it is read from the launcher's environment via PartialState.
-    Without CUDA, `cpu=True` makes a multi-process launch DDP over gloo (MULTI_CPU)."""
+    Without CUDA, `cpu=True` makes a multi-process launch DDP over gloo (MULTI_CPU). The
+    launch config is checked first (`check_launch`), before accelerate reads it."""
+    check_launch(os.environ)
     cpu = not torch.cuda.is_available()
     if not cpu:
         # fp32 matmuls (the loss head's fp32 logits above all) run on TF32 tensor cores:
@@ -38,17 +43,28 @@ def make_accelerator(cfg) -> Accelerator:
 
 def precision(cfg) -> tuple[str, str]:
     """accelerate's mixed_precision for this run, and why: the config's, or for `auto` what
-    this machine computes fastest: bf16 autocast on a GPU and on a CPU that computes bf16 in
-    hardware (`cpu_computes_bf16`), fp32 ("no") on any other CPU, where bf16 is emulated and
-    slower than fp32. It wins over the launch config's (check_launch warns)."""
+    this machine computes fastest: bf16 autocast on a GPU with bf16 tensor cores
+    (`gpu_computes_bf16`) and on a CPU that computes bf16 in hardware (`cpu_computes_bf16`),
+    fp32 ("no") anywhere else, where bf16 is emulated and slower than fp32. It wins over the
+    launch config's (precision_warnings warns)."""
     if cfg.mixed_precision != "auto":
         return cfg.mixed_precision, "the config's mixed_precision"
     if torch.cuda.is_available():
-        return "bf16", "auto: a GPU"
+        name, (major, minor) = torch.cuda.get_device_name(), torch.cuda.get_device_capability()
+        if gpu_computes_bf16():
+            return "bf16", f"auto: {name} (compute capability {major}.{minor}) computes bf16"
+        return "no", (f"auto: {name} (compute capability {major}.{minor}) has no bf16 tensor "
+                      f"cores, which GPUs have from Ampere (8.0) on")
     if cpu_computes_bf16():
         return "bf16", "auto: this CPU computes bf16 natively"
     return "no", ("auto: this CPU has no bf16 arithmetic (AVX512_BF16, AMX or Arm's BF16), "
                   "and emulated bf16 is slower than fp32")
+
+
+def gpu_computes_bf16() -> bool:
+    """Whether this GPU has bf16 tensor cores: NVIDIA's from Ampere (compute capability 8.0)
+    on. A T4 (7.5) or a V100 (7.0) runs bf16 matmuls without them, slower than fp32."""
+    return torch.cuda.get_device_capability() >= (8, 0)
 
 
 # The CPU flags (Linux's /proc/cpuinfo) of bf16 arithmetic in hardware: x86's AVX512_BF16
@@ -135,10 +151,11 @@ def reshard_after_forward(environ) -> bool:
     return environ.get("FSDP_RESHARD_AFTER_FORWARD", "true") == "true"
 
 
-def check_launch(environ, run_precision: str) -> list[str]:
-    """Refuse, in one line, a launch-config key train.py would not honour; warn when the
-    launch config's mixed_precision differs from `run_precision`, the one this run uses: the
-    config's mixed_precision wins (it is part of the run, saved in every checkpoint)."""
+def check_launch(environ):
+    """Refuse, in one line, a launch-config key train.py would not honour, before accelerate
+    reads it (`make_accelerator` calls this first: the Accelerator would end in accelerate's
+    own error, naming neither key nor file). A key accelerate does not know never reaches
+    the workers (it exports the keys it knows, and not the file's path): no check sees it."""
     if environ.get("ACCELERATE_DYNAMO_BACKEND", "NO") != "NO":
         raise ValueError(f"launch config: dynamo_backend={environ['ACCELERATE_DYNAMO_BACKEND']} "
                          f"would compile the model a second time; train.py compiles each block "
@@ -156,6 +173,12 @@ def check_launch(environ, run_precision: str) -> list[str]:
             if environ.get(variable, default) != default:
                 raise ValueError(f"launch config: {variable.lower()}={environ[variable]} is "
                                  f"not honoured: {why}; remove it from the yaml")
+
+
+def precision_warnings(environ, run_precision: str) -> list[str]:
+    """A warning when the launch config's mixed_precision differs from `run_precision`, the
+    one this run uses: the config's mixed_precision wins (it is part of the run, saved in
+    every checkpoint). Without a launcher there is no launch config, and no warning."""
     launched = environ.get("ACCELERATE_MIXED_PRECISION", run_precision)
     if launched != run_precision:
         return [f"warning: the launch config's mixed_precision={launched} is ignored: this run "
@@ -220,10 +243,38 @@ def record_outcome(outcome: str, step: int, is_local_main: bool):
         tmp.rename(path)  # whole or absent, never half-written
 
 
-def leave_process_group():
-    """A launched process's last act: destroy its process group while the interpreter is
-    whole. Left to the interpreter's exit, gloo's worker threads can abort a process whose
-    run finished ("terminate called without an active exception", SIGABRT), and with it the
-    launch (pytorch/pytorch#190489)."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+# How long a rank on its way out after an error waits for the others at the barrier: a rank
+# that failed elsewhere, or waits inside a collective, never comes, and the launcher ends it
+# once this one has exited.
+LEAVE_WAIT_S = 30
+
+
+@contextlib.contextmanager
+def leaving_process_group():
+    """The command's body; on the way out, however it ends (finished, a user error's exit 2,
+    a crash), the process group is left (`leave_process_group`)."""
+    try:
+        yield
+    except BaseException:
+        leave_process_group(cleanly=False)
+        raise
+    leave_process_group(cleanly=True)
+
+
+def leave_process_group(cleanly: bool):
+    """A launched process's last act: meet every rank at a barrier, then destroy the process
+    group while the interpreter is whole. A rank that destroys its group while another is
+    still busy (rank 0 writing the end record and the report) can abort at exit, and so can
+    one that leaves the group to the interpreter's exit: gloo's threads are torn down while
+    they still work ("terminate called without an active exception", SIGABRT,
+    pytorch/pytorch#190489). After an error (`cleanly` False) another rank may never come:
+    the wait is bounded over gloo (monitored_barrier), and over NCCL, whose threads are not
+    gloo's, there is none."""
+    if not dist.is_initialized():
+        return
+    if cleanly:
+        dist.barrier()  # every rank has finished its run
+    elif dist.get_backend() == "gloo":
+        with contextlib.suppress(RuntimeError):  # a rank that never came: leave all the same
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=LEAVE_WAIT_S))
+    dist.destroy_process_group()

@@ -36,11 +36,17 @@ from tqdm import tqdm
 import config
 from model import count_matmul_params, count_params, flops_per_token
 
-# Dense bf16 tensor-core peak per GPU (vendor datasheets, no sparsity). MFU is reported
-# against these; unknown devices and CPUs show MFU as n/a rather than a made-up number.
+# Dense bf16 tensor-core peak per GPU (vendor datasheets, no sparsity), by the exact name
+# CUDA reports (torch.cuda.get_device_name): a name that merely contains one of these is
+# another card ("NVIDIA L40" is neither the L4 nor the L40S). MFU is reported against
+# these; any other device, and CPUs, show MFU as n/a rather than a made-up number.
 PEAK_FLOPS = {
-    "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "GH200": 989e12,
-    "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "RTX 4090": 165e12,
+    "NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA GH200 480GB": 989e12,
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12, "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA L40S": 362e12, "NVIDIA L4": 121e12, "NVIDIA A10G": 70e12,
+    "NVIDIA GeForce RTX 4090": 165e12,
 }
 
 
@@ -65,11 +71,8 @@ def code_revision(root=Path(__file__).resolve().parent) -> str:
 
 
 def peak_flops(device_name: str) -> float | None:
-    """Peak FLOP/s of one device, matched by name (longest key first), or None."""
-    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
-        if key in device_name:
-            return PEAK_FLOPS[key]
-    return None
+    """Peak FLOP/s of the device of exactly this name, or None."""
+    return PEAK_FLOPS.get(device_name)
 
 
 # ---------------------------------------------------------------------------------------

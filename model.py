@@ -157,7 +157,12 @@ def attention(q, k, v, mask):
     kernels' enable_gqa does this without copying k and v H / K times.
     """
     if isinstance(mask, BlockMask):
-        return compiled(flex_attention, dynamic=False)(q, k, v, block_mask=mask, enable_gqa=True)
+        # Inside a compiled block, dynamo compiles flex_attention with the rest of the block
+        # (a cached compiled copy called there is traced as an opaque function, which dynamo
+        # warns may be silently wrong); called eagerly, it needs a compiled copy of its own.
+        flex = flex_attention if torch.compiler.is_compiling() else \
+            compiled(flex_attention, dynamic=False)
+        return flex(q, k, v, block_mask=mask, enable_gqa=True)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
@@ -403,7 +408,9 @@ class Transformer(nn.Module):
                              f"{max_new_tokens} exceeds max_seq_len={self.cfg.max_seq_len}; "
                              f"shorten one of them")
         caches = [KVCache() for _ in self.blocks]
-        with root_gathered(self):
+        # Eager, even where the blocks are compiled: each step's new cache length, batch and
+        # grad mode would make them compile again and again (nanochat samples uncompiled too).
+        with torch.compiler.set_stance("force_eager"), root_gathered(self):
             logits = self.forward_cached(input_ids, 0, caches)
             tokens = input_ids
             for step in range(max_new_tokens):

@@ -113,9 +113,9 @@ class Muon(torch.optim.Optimizer):
 
     Same-shape matrices are bucketed once, when the optimizer is built; a GPU orthogonalises
     each bucket as one batched Newton–Schulz. Under FSDP2 (Shard(0) DTensor parameters)
-    each matrix is instead orthogonalised whole by one owner rank (see "Muon under FSDP2"
-    below). Gradients arrive already averaged by the wrapper (DDP/FSDP): Muon never
-    reduces them again.
+    each matrix is instead orthogonalised whole by one owner rank, the matrices of a shape
+    sent there and back together (see "Muon under FSDP2" below). Gradients arrive already
+    averaged by the wrapper (DDP/FSDP): Muon never reduces them again.
     """
 
     def __init__(self, params, lr: float, momentum: float = 0.95, nesterov: bool = True,
@@ -131,13 +131,12 @@ class Muon(torch.optim.Optimizer):
                                      f"give embeddings and 1-D gains to AdamW")
         self.ns_dtype = ns_dtype
         # (group index, positions in group["params"]) per shape (Stack-100M's 210 matrices
-        # have 4). Positions, not tensors: accelerate.prepare swaps FSDP2's DTensors into
-        # group["params"], and load_state_dict replaces the group dicts.
+        # have 4). Positions, not tensors: accelerate.prepare swaps the optimizer's
+        # parameters for its own (DDP's), and load_state_dict replaces the group dicts.
         self.shape_buckets = [
             (g, [i for i, p in enumerate(group["params"]) if p.shape == shape])
             for g, group in enumerate(self.param_groups)
             for shape in sorted({p.shape for p in group["params"]})]
-        self.owners = None  # matrix -> owner rank under FSDP2, assigned at the first step
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -145,17 +144,16 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        row_sharded = []  # FSDP2's matrices, orthogonalised all at once after the loop
         for g, positions in self.shape_buckets:
             group = self.param_groups[g]
             bucket = [group["params"][i] for i in positions if group["params"][i].grad is not None]
-            row_sharded += [(p, group) for p in bucket if is_row_sharded(p)]
+            sharded = [p for p in bucket if is_row_sharded(p)]  # FSDP2's: see below
             whole = [p for p in bucket if not is_row_sharded(p)]
             updates = [self._momentum_update(p, group) for p in whole]
             for p, update in zip(whole, self._orthogonalize_bucket(updates, group), strict=True):
                 self._decay_and_step(p, group, update)
-        if row_sharded:
-            self._step_row_sharded(row_sharded)
+            if sharded:
+                self._step_row_sharded(sharded, group)
         return loss
 
     def _momentum_update(self, p, group) -> torch.Tensor:
@@ -191,21 +189,19 @@ class Muon(torch.optim.Optimizer):
 
     # FSDP2: the same update, but Newton–Schulz sees each matrix whole, on its owner rank.
 
-    def _step_row_sharded(self, matrices):
-        """matrices: (param, group) for every row-sharded matrix with a gradient. Momentum,
-        decay and step work on this rank's rows; Newton–Schulz on the owner's whole matrix."""
-        if self.owners is None:  # at the first step, after accelerate.prepare swapped params
-            self.owners = assign_owners([p for group in self.param_groups
-                                         for p in group["params"] if is_row_sharded(p)])
-        updates = [self._momentum_update(p, group) for p, group in matrices]
-        orthogonalized = self._orthogonalize_row_sharded(matrices, updates)
-        for (p, group), update in zip(matrices, orthogonalized, strict=True):
+    def _step_row_sharded(self, params, group):
+        """params: same-shape row-sharded matrices with gradients. Momentum, decay and step
+        work on this rank's rows; Newton–Schulz on each owner's whole matrices."""
+        updates = [self._momentum_update(p, group) for p in params]
+        orthogonalized = self._orthogonalize_row_sharded(params, updates, group)
+        for p, update in zip(params, orthogonalized, strict=True):
             self._decay_and_step(p, group, update)
 
-    def _orthogonalize_row_sharded(self, matrices, updates) -> list[torch.Tensor]:
+    def _orthogonalize_row_sharded(self, params, updates, group) -> list[torch.Tensor]:
         """This rank's rows of each orthogonalised update (tests/dist_muon.py overrides it
         with the mistake the parity test must catch: orthogonalising the rows alone)."""
-        return orthogonalize_on_owners(matrices, updates, self.owners, self._orthogonalize)
+        return orthogonalize_on_owners(params, updates,
+                                       lambda wholes: self._orthogonalize_bucket(wholes, group))
 
 
 # ---------------------------------------------------------------------------------------
@@ -216,8 +212,10 @@ class Muon(torch.optim.Optimizer):
 # percent off), and Newton–Schulz on the DTensor is right but runs collectives inside every
 # iteration, on every rank (torch.optim.Muon does that: correct, slow). So each matrix
 # gets an owner rank: the others send it their rows, it orthogonalises the whole matrix,
-# and sends each rank its rows back. Momentum stays shard-local as a Shard(0) DTensor, so
-# a distributed checkpoint can reload it on another number of ranks.
+# and sends each rank its rows back. The matrices of one shape travel together, in one
+# all-to-all each way: a step makes two collectives per distinct shape (Stack-100M: 4
+# shapes, 8 collectives), not two per matrix (420). Momentum stays shard-local as a
+# Shard(0) DTensor, so a distributed checkpoint can reload it on another number of ranks.
 
 
 def is_row_sharded(p: torch.Tensor) -> bool:
@@ -240,69 +238,46 @@ def row_counts(rows: int, world: int) -> list[int]:
     return [max(0, min(chunk, rows - rank * chunk)) for rank in range(world)]
 
 
-def pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """t with zero rows appended up to n rows: collectives need equal shapes on every rank."""
-    return torch.nn.functional.pad(t, (0, 0, 0, n - t.shape[0]))
+def orthogonalize_on_owners(params, local_rows, orthogonalize) -> list[torch.Tensor]:
+    """Owner-computes Newton–Schulz of n same-shape row-sharded updates, in two all-to-alls;
+    every rank calls it alike.
+
+    params: the n (rows, cols) DTensor parameters; local_rows: this rank's rows of each
+    update; orthogonalize(wholes) runs Newton–Schulz on a list of whole matrices. Matrix i
+    belongs to rank i % W (the W ranks' shares differ by one matrix at most), in its slot
+    i // W of k = ceil(n / W) slots. Every piece is padded to ceil(rows / W) rows and every
+    rank to k slots, so that all pieces have one shape:
+    1. each rank sends each owner its rows of the owner's matrices;
+    2. each owner runs Newton–Schulz on its whole matrices, all ranks in parallel;
+    3. each owner sends every rank its rows of the results.
+    Returns this rank's rows of each orthogonalised update, in `params` order."""
+    mesh = params[0].device_mesh
+    world, rank, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
+    rows, cols = params[0].shape
+    counts, slots = row_counts(rows, world), -(-len(params) // world)
+    # outgoing[slot, owner]: this rank's rows of matrix slot·W + owner, padded
+    outgoing = local_rows[0].new_zeros(slots, world, counts[0], cols)
+    for i, piece in enumerate(local_rows):
+        outgoing[i // world, i % world, :len(piece)] = piece
+    incoming = all_to_all(outgoing, group)  # [slot, sender]: the sender's rows of my matrix
+    mine = range(rank, len(params), world)
+    wholes = [torch.cat([incoming[i // world, sender, :n] for sender, n in enumerate(counts)])
+              for i in mine]  # (rows, cols) each
+    results = outgoing.new_zeros(slots, world, counts[0], cols)  # [slot, receiver]
+    for i, whole in zip(mine, orthogonalize(wholes), strict=True):
+        for receiver, piece in enumerate(whole.split(counts)):
+            results[i // world, receiver, :len(piece)] = piece
+    returned = all_to_all(results, group)  # [slot, owner]: my rows of the owner's matrix
+    return [returned[i // world, i % world, :len(piece)] for i, piece in enumerate(local_rows)]
 
 
-def assign_owners(params: list[DTensor]) -> dict[DTensor, int]:
-    """Give each sharded matrix an owner rank that runs its Newton–Schulz, balancing the work.
-
-    Greedy, largest first: each matrix goes to the least-loaded rank of its mesh. The cost of
-    Newton–Schulz on A x B is proportional to A·B·min(A, B). Every rank sees the same params
-    in the same order, so every rank computes the same assignment without communicating.
-    """
-    loads, owners = {}, {}
-    for p in sorted(params, key=lambda p: p.numel() * min(p.shape), reverse=True):
-        load = loads.setdefault(p.device_mesh, [0] * p.device_mesh.size())
-        owners[p] = load.index(min(load))
-        load[owners[p]] += p.numel() * min(p.shape)
-    return owners
-
-
-def orthogonalize_on_owners(matrices, local_rows, owners, orthogonalize) -> list[torch.Tensor]:
-    """Owner-computes Newton–Schulz of row-sharded updates; every rank calls it alike.
-
-    matrices: (param, group) pairs; local_rows: this rank's rows of each update; owners:
-    param -> owner rank (`assign_owners`); orthogonalize(update, group) runs Newton–Schulz.
-    1. every rank sends its rows of each matrix to the matrix's owner (padded to
-       ceil(rows/world) so that all pieces have one shape);
-    2. each rank runs Newton–Schulz on the matrices it owns, all ranks in parallel;
-    3. each owner sends every rank its rows of the result.
-    Returns this rank's rows of each orthogonalised update, in `matrices` order.
-    """
-    wholes = [gather_to_owner(p, rows, owners[p])
-              for (p, _), rows in zip(matrices, local_rows, strict=True)]
-    results = [None if whole is None else orthogonalize(whole, group)
-               for (_, group), whole in zip(matrices, wholes, strict=True)]
-    return [scatter_from_owner(p, rows, result, owners[p])
-            for (p, _), rows, result in zip(matrices, local_rows, results, strict=True)]
-
-
-def gather_to_owner(p: DTensor, rows: torch.Tensor, owner: int) -> torch.Tensor | None:
-    """The whole matrix of which `rows` is this rank's part, on the owner rank; None elsewhere."""
-    mesh = p.device_mesh
-    counts = row_counts(p.shape[0], mesh.size())
-    is_owner = mesh.get_local_rank() == owner
-    padded = pad_rows(rows, counts[0])
-    pieces = [torch.empty_like(padded) for _ in counts] if is_owner else None
-    dist.gather(padded, pieces, group=mesh.get_group(), group_dst=owner)
-    if not is_owner:
-        return None
-    return torch.cat([piece[:n] for piece, n in zip(pieces, counts, strict=True)])
-
-
-def scatter_from_owner(p: DTensor, rows: torch.Tensor, whole: torch.Tensor | None,
-                       owner: int) -> torch.Tensor:
-    """This rank's rows (shaped like `rows`) of the owner's matrix `whole` (None elsewhere)."""
-    mesh = p.device_mesh
-    counts = row_counts(p.shape[0], mesh.size())
-    pieces = None
-    if whole is not None:
-        pieces = [pad_rows(piece, counts[0]) for piece in whole.split(counts)]
-    received = rows.new_empty(counts[0], p.shape[1])
-    dist.scatter(received, pieces, group=mesh.get_group(), group_src=owner)
-    return received[:rows.shape[0]]
+def all_to_all(pieces: torch.Tensor, group) -> torch.Tensor:
+    """pieces (slots, W, ...) -> (slots, W, ...): piece [s, r] goes to rank r, and the result's
+    [s, r] is the piece [s, this rank] of rank r, in one collective."""
+    by_rank = pieces.transpose(0, 1).contiguous()  # (W, slots, ...): all_to_all splits dim 0
+    received = torch.empty_like(by_rank)
+    dist.all_to_all_single(received, by_rank, group=group)
+    return received.transpose(0, 1)
 
 
 # ---------------------------------------------------------------------------------------

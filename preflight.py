@@ -1,12 +1,13 @@
 """Preflight: everything a run checks before any work, and the facts its banner prints.
 
-`check` refuses, in one line each, what would fail later or waste the machine: a launch
-config key train.py would not honour, a plan past a CPU's RAM, missing or mismatched data,
-a bad downstream task file, a plan that reads a source more often than --max_epochs allows.
-It prepares the built-in corpus where a run needs it and it is missing. What it learns on
-the way (the data stages, each source's manifest, the tasks, the data plan, what an
-evaluation reads, the hardware) is what the banner and metrics.jsonl's start record say;
-the warnings it collects are printed after the banner.
+`check` refuses, in one line each, what would fail later or waste the machine: a plan past
+a CPU's RAM, missing or mismatched data, a bad downstream task file, a plan that reads a
+source more often than --max_epochs allows. (The launch config is checked earlier, before
+accelerate reads it: launch.check_launch.) It prepares the built-in corpus where a run
+needs it and it is missing. What it learns on the way (the data stages, each source's
+manifest, the tasks, the data plan, what an evaluation reads, the hardware) is what the
+banner and metrics.jsonl's start record say; the warnings it collects are printed after
+the banner.
 
 Imports from stacklm: config, data, downstream, launch, log and prepare: it composes them.
 """
@@ -36,7 +37,7 @@ def check(cfg, accelerator, force: bool) -> Plan:
     """Refuse a run that cannot work, before any compute, and gather what the banner says.
     `force` (--force) starts a plan past a CPU's RAM anyway."""
     in_use, why = launch.precision(cfg)
-    warnings = launch.check_launch(os.environ, in_use)  # refuses dead keys
+    warnings = launch.precision_warnings(os.environ, in_use)
     # FSDP2 when the launch config asks for it, on any device: train.py shards the model
     # itself, so a CPU run under gloo takes the very path a GPU run does (accelerate would
     # choose FSDP on GPUs only, and wrap the model in DDP on CPUs).

@@ -13,7 +13,7 @@ would train nothing) and config (the differences between two configs).
 
 from pathlib import Path
 
-import torch
+from accelerate.utils import gather_object
 
 import checkpoint
 from checkpoint import DamagedCheckpointError, UnsafeCheckpointError, read_train_state
@@ -42,8 +42,12 @@ def candidates(cfg: TrainConfig) -> list[Path]:
                          f"--resume=auto, or start afresh in a new --out_dir")
     if setting == "none":
         return []
-    found = own if setting == "auto" or own and not is_inside(setting, checkpoint.ckpt_root(
-        out_dir)) else [checkpoint.find(out_dir, setting)]
+    if setting == "auto":
+        found = own
+    else:
+        named = checkpoint.find(out_dir, setting)  # refuses a --resume that names no checkpoint
+        branched = own and not is_inside(setting, checkpoint.ckpt_root(out_dir))
+        found = own if branched else [named]
     check_unfinished(found, cfg.stop_at_step, setting)
     return found
 
@@ -73,8 +77,8 @@ def resume(run, found: list[Path]) -> str | None:
     the run, and so does a damaged checkpoint the user named (--resume). A branched run
     that continues its own checkpoint rather than the one --resume names says so on the
     line that says where it resumed. Every rank must take the same decision, and a damaged
-    shard or RNG file may show on one rank only, so each rank's verdict is summed over the
-    ranks first."""
+    or unsafe file may show on one rank only, so the ranks share their verdicts first, each
+    with its reason: every rank then acts on the same one, and rank 0 prints it."""
     accelerator, setting = run.accelerator, run.cfg.resume
     for path in found:
         error = None
@@ -82,33 +86,44 @@ def resume(run, found: list[Path]) -> str | None:
             restore(run, path)
         except (DamagedCheckpointError, UnsafeCheckpointError) as e:
             error = e
-        unsafe = isinstance(error, UnsafeCheckpointError)
-        votes = torch.tensor([error is not None and not unsafe, unsafe], dtype=torch.float32,
-                             device=accelerator.device)
-        n_damaged, n_unsafe = accelerator.reduce(votes, "sum").tolist()
-        if n_unsafe:
-            raise error if unsafe else UnsafeCheckpointError(
-                f"{path}: another rank refused a file of it as unsafe (see its error)")
+        unsafe, damaged = shared_verdicts(accelerator, error)
+        if unsafe:
+            raise UnsafeCheckpointError(unsafe)
         named = setting != "auto" and Path(path).resolve() == Path(setting).resolve()
-        if not n_damaged:
+        if not damaged:
             began = "" if setting == "auto" or named else \
                 f" (its own; --resume={setting} is where this run began: to begin there " \
                 f"again, use a new --out_dir)"
             accelerator.print(f"resumed from {path} at step {run.step:,}{began}")
             return str(Path(path).resolve())
-        reason = error or f"{path}: a file another rank reads is damaged"
         if named:
-            raise ValueError(f"resume={setting} cannot be read: {reason}")
+            raise ValueError(f"resume={setting} cannot be read: {damaged}; restore the file, "
+                             f"or name another checkpoint (--resume=auto sets this one aside "
+                             f"as .damaged and continues the newest that reads)")
         accelerator.wait_for_everyone()  # every rank is done reading it
         if accelerator.is_main_process:
             kept = checkpoint.set_aside(path, "damaged")
-            print(f"warning: skipping damaged checkpoint {reason}; kept as {kept}")
+            print(f"warning: skipping damaged checkpoint: {damaged}; kept as {kept}")
         accelerator.wait_for_everyone()
     if found:
         raise ValueError(f"no checkpoint in {checkpoint.ckpt_root(run.cfg.out_dir)} can be read "
                          f"(see the warnings above; each is kept as .damaged); --resume=none "
                          f"starts afresh")
     return None
+
+
+def shared_verdicts(accelerator, error: Exception | None) -> tuple[str | None, str | None]:
+    """(the first unsafe refusal, the first damage) any rank met reading a checkpoint, each
+    as its message, with the rank where there are several; None where no rank met one."""
+    verdicts = gather_object([(isinstance(error, UnsafeCheckpointError),
+                               None if error is None else str(error))])  # one per rank
+    several = len(verdicts) > 1
+
+    def first(unsafe: bool) -> str | None:
+        return next((f"{message} (rank {rank})" if several else message
+                     for rank, (kind, message) in enumerate(verdicts)
+                     if message is not None and kind == unsafe), None)
+    return first(True), first(False)
 
 
 def restore(run, path: Path):

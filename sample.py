@@ -71,6 +71,19 @@ def load_export(export_dir: str, device: str = "cpu") -> tuple[Transformer, Toke
     return model.to(device).eval(), tokenizer
 
 
+def checked_device(name: str) -> str:
+    """--device, refused in one line where torch knows no such device or this machine has
+    none (torch.load would blame the export for it)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name} is not a device torch knows; use cpu, or cuda "
+                         f"(cuda:N) on a machine with a GPU") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this machine has no CUDA GPU; use --device cpu")
+    return name
+
+
 def first_line(error: Exception) -> str:
     """An error's type and first line: torch's messages run to paragraphs."""
     return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
@@ -103,7 +116,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     with user_errors(args.debug):  # a bad export: one line, no traceback
         torch.manual_seed(args.seed)
-        model, tokenizer = load_export(args.export, args.device)
+        model, tokenizer = load_export(args.export, checked_device(args.device))
         for _ in range(args.num_samples):
             print(complete(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
                            args.top_k or None))

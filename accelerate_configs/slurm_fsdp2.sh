@@ -42,7 +42,10 @@ export OUTCOME=${TMPDIR:-/tmp}/stacklm-$SLURM_JOB_ID
 echo "slurm_fsdp2.sh: $SLURM_NNODES nodes x $GPUS_PER_NODE GPUs, micro-batch $MICRO"
 # At a preemption this shell gets SIGTERM too; trapped, it waits for the ranks to save.
 trap 'echo "slurm_fsdp2.sh: SIGTERM; waiting for the ranks to save"' TERM
-srun --kill-on-bad-exit=1 bash -c '
+# srun is handed the CPUs itself: from Slurm 22.05 to 23.02 it does not inherit
+# --cpus-per-task from sbatch, and a site that binds tasks to cores would run each node's
+# launcher and all its ranks on one core.
+srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" bash -c '
   trap "echo node $SLURM_NODEID: SIGTERM, the ranks are saving" TERM  # or bash would die now
   export STACKLM_OUTCOME=$OUTCOME.node$SLURM_NODEID
   rm -f "$STACKLM_OUTCOME"

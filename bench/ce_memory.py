@@ -18,7 +18,6 @@ hits all alike. The line: {"results": [{"path", "rows", "chunk_size", "peak_mib"
 time_ratio (its time over naive's), naive's at the same rows.
 """
 
-import argparse
 import json
 import os
 import resource
@@ -31,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cli  # noqa: E402
 from model import fused_ce_z_loss  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -95,15 +95,16 @@ def summarise(calls, runs) -> list[dict]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[16384, 32768],
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=cli.at_least(1), nargs="+", default=[16384, 32768],
                         help="B·T rows fed to the head, one or more")
-    parser.add_argument("--chunks", type=int, nargs="+", default=[1024, 4096],
+    parser.add_argument("--chunks", type=cli.at_least(1), nargs="+", default=[1024, 4096],
                         help="the chunked head's rows per chunk (ce_chunk_size), one or more")
-    parser.add_argument("--vocab", type=int, default=32768)
-    parser.add_argument("--d_model", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=1, help="calls of each (path, rows, "
-                        "chunk); one round of the defaults takes ~4 minutes on 2 CPU cores")
+    parser.add_argument("--vocab", type=cli.at_least(1), default=32768)
+    parser.add_argument("--d_model", type=cli.at_least(1), default=512)
+    parser.add_argument("--rounds", type=cli.at_least(1), default=1,
+                        help="calls of each (path, rows, chunk); one round of the defaults takes "
+                             "~4 minutes on 2 CPU cores")
     parser.add_argument("--child", nargs=3, metavar=("PATH", "ROWS", "CHUNK"),
                         help="(child process only)")
     args = parser.parse_args()

@@ -26,7 +26,6 @@ loss per target token on the first batch: about ln(4,096) = 8.318 for both model
 initial predictions are near uniform. One JSON line.
 """
 
-import argparse
 import json
 import math
 import statistics
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cli  # noqa: E402
 import config  # noqa: E402
 import data  # noqa: E402
 import launch  # noqa: E402
@@ -157,10 +157,11 @@ def timed_steps(make, bf16: bool, compiled: bool, cfg, batches: list):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per variant")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
+    parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=cli.at_least(1), default=30,
+                        help="timed steps per variant")
+    parser.add_argument("--warmup", type=cli.at_least(0), default=3, help="untimed steps first")
+    parser.add_argument("--rounds", type=cli.at_least(1), default=2, help="interleaved rounds")
     parser.add_argument("--no-compile", action="store_true", help="eager variants only")
     args = parser.parse_args()
     cfg = config.tiny()

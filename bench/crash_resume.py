@@ -14,7 +14,6 @@ A 2-layer model on a small slice of the built-in corpus (prepared on first use) 
 Prints one JSON line.
 """
 
-import argparse
 import json
 import os
 import random
@@ -30,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import cli  # noqa: E402
 import checkpoint  # noqa: E402
 import config  # noqa: E402
 from model import Transformer  # noqa: E402
@@ -110,10 +110,10 @@ def signal_trial(root: str, steps: int, rng: random.Random) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kills", type=int, default=10)
-    parser.add_argument("--signals", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=12)
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kills", type=cli.at_least(0), default=10)
+    parser.add_argument("--signals", type=cli.at_least(0), default=10)
+    parser.add_argument("--steps", type=cli.at_least(1), default=12)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)

@@ -20,7 +20,6 @@ parameter, model.flops_per_token) at equal utilisation: share <= forward tokens 
 (a HellaSwag item is ~100 tokens), which leaves room for a forward's lower utilisation.
 """
 
-import argparse
 import json
 import math
 import sys
@@ -29,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cli  # noqa: E402
 import config  # noqa: E402
 import downstream  # noqa: E402
 import launch
@@ -80,9 +80,10 @@ def measure_tiny(steps: int, rounds: int) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of steps, then a scoring")
+    parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=cli.at_least(1), default=10, help="timed steps per round")
+    parser.add_argument("--rounds", type=cli.at_least(1), default=3,
+                        help="rounds of steps, then a scoring")
     args = parser.parse_args()
     print(json.dumps({"tiny": measure_tiny(args.steps, args.rounds),
                       "stack100m": stack100m_bound(config.stack100m())}))

@@ -30,7 +30,6 @@ the budget is stopped by an alarm, so the sweep (data preparation included) ends
 about --budget_s.
 """
 
-import argparse
 import dataclasses
 import gc
 import json
@@ -42,6 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cli  # noqa: E402
 import config  # noqa: E402
 import data  # noqa: E402
 import launch
@@ -129,12 +129,12 @@ def main(argv=None):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny model on the CPU, a few steps: checks the code, not speed")
-    parser.add_argument("--steps", type=int, help="timed steps per variant (default 30; "
-                        "dry run 1)")
-    parser.add_argument("--warmup", type=int, help="untimed steps first, compilation "
+    parser.add_argument("--steps", type=cli.at_least(1),
+                        help="timed steps per variant (default 30; dry run 1)")
+    parser.add_argument("--warmup", type=cli.at_least(0), help="untimed steps first, compilation "
                         "included (default 3; dry run 1)")
     parser.add_argument("--budget_s", type=float, default=450.0,
                         help="wall-clock seconds for all variants together (default 450)")

@@ -13,7 +13,6 @@ Prints one JSON line. The shards are read once before timing, so this measures t
 loaders' own work (gather, widen to int64, position/seq ids), not the disk.
 """
 
-import argparse
 import json
 import statistics
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
+import cli  # noqa: E402
 import data  # noqa: E402
 import prepare  # noqa: E402
 
@@ -31,10 +31,11 @@ B, T = 32, 2048
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data_dir", default=prepare.builtin_data_dir(32768),
                         help="prepared directory (the built-in corpus is made if missing)")
-    parser.add_argument("--repeats", type=int, default=7, help="timed interleaved rounds")
+    parser.add_argument("--repeats", type=cli.at_least(1), default=7,
+                        help="timed interleaved rounds")
     args = parser.parse_args()
     torch.set_num_threads(1)
 

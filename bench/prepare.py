@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
+import cli  # noqa: E402
 import prepare  # noqa: E402
 from data import EOS_TOKEN  # noqa: E402
 
@@ -147,11 +148,13 @@ def estimate(speeds: list[dict]) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cores", default="1,2", help="core counts to measure speed on")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per count")
-    parser.add_argument("--memory_mb", type=int, default=24, help="the 1x corpus, in MB")
-    parser.add_argument("--tokenizer_chars", type=int, default=4_000_000,
+    parser.add_argument("--rounds", type=cli.at_least(1), default=5,
+                        help="interleaved rounds per count")
+    parser.add_argument("--memory_mb", type=cli.at_least(1), default=24,
+                        help="the 1x corpus, in MB")
+    parser.add_argument("--tokenizer_chars", type=cli.at_least(1), default=4_000_000,
                         help="tokenizer budget of both memory runs (below the 1x corpus)")
     parser.add_argument("--only", choices=["speed", "memory"], help="one half of the bench")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)

@@ -40,7 +40,6 @@ finished run is reused when the sweep is started again with the same settings, s
 interrupted sweep resumes where it stopped.
 """
 
-import argparse
 import csv
 import dataclasses
 import itertools
@@ -56,6 +55,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cli  # noqa: E402
 import config  # noqa: E402
 import train  # noqa: E402
 from model import Transformer  # noqa: E402
@@ -512,16 +512,16 @@ def main():
 
 def parse_args(argv=None):
     tiny = config.tiny()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=tiny.total_steps,
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=cli.at_least(1), default=tiny.total_steps,
                         help="optimizer steps of a full-budget run (the preset's)")
-    parser.add_argument("--tokens_per_step", type=int, default=tiny.global_batch_tokens,
+    parser.add_argument("--tokens_per_step", type=cli.at_least(1), default=tiny.global_batch_tokens,
                         help="global batch in tokens (the preset's)")
-    parser.add_argument("--eval_every", type=int, default=50)
-    parser.add_argument("--eval_tokens", type=int, default=65_536,
+    parser.add_argument("--eval_every", type=cli.at_least(1), default=50)
+    parser.add_argument("--eval_tokens", type=cli.at_least(1), default=65_536,
                         help="val tokens per evaluation (README's figures: 65,536, 256 of "
                              "the 262 windows)")
-    parser.add_argument("--log_every", type=int, default=tiny.log_every)
+    parser.add_argument("--log_every", type=cli.at_least(1), default=tiny.log_every)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1337, 1338, 1339])
     parser.add_argument("--arms", nargs="+", default=["adamw_wsd", "muon_wsd"],
                         choices=list(ARMS), help="adamw_wsd and muon_wsd are always measured")

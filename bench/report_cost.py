@@ -18,7 +18,6 @@ most 36 × cold of another core's time.
 Prints one JSON line.
 """
 
-import argparse
 import dataclasses
 import json
 import math
@@ -31,6 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from anywhere
+import cli  # noqa: E402
 import config  # noqa: E402
 import report  # noqa: E402
 
@@ -82,12 +82,12 @@ def median_seconds(run, rounds: int) -> float:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=34_332)
-    parser.add_argument("--log_every", type=int, default=10)
-    parser.add_argument("--eval_every", type=int, default=1_000)
-    parser.add_argument("--ckpt_every", type=int, default=1_000)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=cli.at_least(1), default=34_332)
+    parser.add_argument("--log_every", type=cli.at_least(1), default=10)
+    parser.add_argument("--eval_every", type=cli.at_least(1), default=1_000)
+    parser.add_argument("--ckpt_every", type=cli.at_least(1), default=1_000)
+    parser.add_argument("--rounds", type=cli.at_least(1), default=3)
     parser.add_argument("--tokens_per_s", type=float, default=560_000)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
+import cli  # noqa: E402
 import data  # noqa: E402
 
 SHARD_MB = 64
@@ -92,8 +93,9 @@ def launch(data_dir: Path, mode: str, ranks: int) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=int, default=1024, help="corpus size in MB of shards")
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=cli.at_least(1), default=1024,
+                        help="corpus size in MB of shards")
     parser.add_argument("--ranks", default="1,4", help="rank counts to launch")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()

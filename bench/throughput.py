@@ -12,7 +12,6 @@ loop/bare is the share of speed the loop keeps (goal: >= 0.95).
 Prints one JSON line.
 """
 
-import argparse
 import json
 import statistics
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cli  # noqa: E402
 import config  # noqa: E402
 import data  # noqa: E402
 import launch  # noqa: E402
@@ -66,11 +66,11 @@ def bare_tokens_per_s(cfg, steps: int, warmup: int) -> float:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="tiny", choices=sorted(config.PRESETS))
-    parser.add_argument("--steps", type=int, default=20, help="measured steps")
-    parser.add_argument("--warmup", type=int, default=5, help="steps before measuring")
-    parser.add_argument("--rounds", type=int, default=2,
+    parser.add_argument("--steps", type=cli.at_least(1), default=20, help="measured steps")
+    parser.add_argument("--warmup", type=cli.at_least(0), default=5, help="steps before measuring")
+    parser.add_argument("--rounds", type=cli.at_least(1), default=2,
                         help="bare/loop pairs, interleaved so drift hits both alike")
     args = parser.parse_args()
     total = args.warmup + args.steps

@@ -13,7 +13,9 @@ error after 5 steps of
   resumed:          (`resume` only) a sharded model loaded from CKPT, written by another
                     number of ranks, then trained for steps 3 and 4;
   resumed_without_momentum: the negative control for `resumed`: the same, loading only the
-                    model, so that Muon restarts from zero momentum.
+                    model, so that Muon restarts from zero momentum;
+and the collectives one sharded Muon step makes (`collectives`: CommDebugMode counts every
+one), with the model's matrices and their distinct shapes.
 """
 
 import gc
@@ -26,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.debug import CommDebugMode
 
 from optim import Muon
 
@@ -36,9 +39,8 @@ SAVE_AFTER = 3
 class LocalShardMuon(Muon):
     """The mistake the parity test must catch: orthogonalising each rank's rows alone."""
 
-    def _orthogonalize_row_sharded(self, matrices, updates):
-        return [self._orthogonalize(rows, group)
-                for (_, group), rows in zip(matrices, updates, strict=True)]
+    def _orthogonalize_row_sharded(self, params, updates, group):
+        return [self._orthogonalize(rows, group) for rows in updates]
 
 
 class Block(torch.nn.Module):
@@ -86,6 +88,21 @@ def max_relative_error(sharded, reference) -> float:
     return max(errors).item()
 
 
+def collectives_per_step() -> dict:
+    """The collectives of one sharded Muon step (the backward's reduce-scatters before it
+    are FSDP's, not counted), beside the matrices and shapes the model has."""
+    model = shard(make_model())
+    muon = make_muon(model)
+    train(model, muon, range(1))  # the momentum buffers exist: a step like any later one
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    model(x).square().mean().backward()
+    with CommDebugMode() as comm:
+        muon.step()
+    return {"collectives": comm.get_total_counts(),
+            "matrices": len(list(model.parameters())),
+            "shapes": len({p.shape for p in model.parameters()})}
+
+
 def checkpoint_state(model, muon):
     model_state, optim_state = get_state_dict(model, [muon])
     return {"model": model_state, "optim": optim_state}
@@ -130,6 +147,7 @@ def compare(action, ckpt_dir) -> dict:
     control = shard(make_model())
     train(control, make_muon(control, LocalShardMuon), range(STEPS))
     result["local_shard_muon"] = max_relative_error(control, reference)
+    result.update(collectives_per_step())
     if action == "resume":
         result["resumed"] = max_relative_error(resume(ckpt_dir), reference)
         result["resumed_without_momentum"] = max_relative_error(

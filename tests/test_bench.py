@@ -3,7 +3,9 @@ shapes on the CPU, and bench/gpu_check.sh's command lines against the current CL
 
 import json
 import math
+import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +76,33 @@ def test_gpu_check_uses_existing_knobs_and_scripts():
     recipe = next(line for line in gpu_sweep.__doc__.splitlines() if "--quick" in line)
     assert '"--quick"' in script and "bench/gpu_check.sh --quick;" in recipe
     gpu_sweep.parse_args(recipe.split("gpu_sweep.py")[1].split())
+
+
+def test_gpu_check_runs_every_stage_whatever_one_does_and_reports_each(tmp_path):
+    """On the one call a lent GPU gives, a failing stage must not stop the rest: here every
+    command fails (stand-ins for python and accelerate that exit 1, but for the report's
+    `python -`), and each stage still runs, and the JSON line says how each ended, with no
+    figures where none were made; the script then exits 1."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(f'#!/bin/bash\n[[ $1 == - ]] && exec {sys.executable} "$@"'
+                                    f'\necho "stand-in: python $*"; exit 1\n')
+    (bin_dir / "accelerate").write_text('#!/bin/bash\necho "stand-in: accelerate $*"; exit 1\n')
+    for stand_in in bin_dir.iterdir():
+        stand_in.chmod(0o755)
+    done = subprocess.run(["bash", "bench/gpu_check.sh", str(tmp_path / "out")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    ran = re.findall(r"^stand-in: (\w+ \S+)", done.stdout, flags=re.M)
+    assert ran == ["python -m", "python train.py", "accelerate launch", "accelerate launch"] or \
+        ran == ["python -m", "python prepare.py", "python train.py", "accelerate launch",
+                "accelerate launch"], ran
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    stages = report.pop("stages")
+    assert {stages[name] for name in ("cuda_tests", "stack100m", "fsdp2_first",
+                                      "fsdp2_resumed")} == {1}, stages
+    assert report["tokens_per_s"] is None and report["fsdp2_steps"] == []
 
 
 def test_ce_memory_reports_the_grid_and_chunked_never_holds_the_full_logits():
@@ -234,3 +263,37 @@ def test_cpu_speed_times_every_eager_variant_on_the_same_batches():
     assert report["nanogpt_best"]["tokens_per_s"] == max(
         v for n, v in speed.items() if n.startswith("nanogpt"))
     assert report["compile"] == {}
+
+
+# One bad value for each benchmark, and cpu_speed's that ended in a traceback or, with
+# --warmup -1, timed only each round's last step and reported it as the timed steps.
+BAD_BENCH_ARGS = [
+    ("cpu_speed.py", ["--steps", "0"], "argument --steps: expected a whole number >= 1, got '0'"),
+    ("cpu_speed.py", ["--rounds", "0"], "argument --rounds: expected a whole number >= 1"),
+    ("cpu_speed.py", ["--warmup", "-1"], "argument --warmup: expected a whole number >= 0"),
+    ("cpu_speed.py", ["--steps", "ten"], "argument --steps: expected a whole number >= 1, "
+                                         "got 'ten'"),
+    ("ce_memory.py", ["--rows", "0"], "argument --rows: expected a whole number >= 1"),
+    ("crash_resume.py", ["--kills", "-1"], "argument --kills: expected a whole number >= 0"),
+    ("downstream_cost.py", ["--rounds", "0"], "argument --rounds: expected a whole number"),
+    ("gpu_sweep.py", ["--budget_s", "soon"], "argument --budget_s: invalid float value"),
+    ("loader.py", ["--repeats", "0"], "argument --repeats: expected a whole number >= 1"),
+    ("optim.py", ["--repeats", "0"], "argument --repeats: expected a whole number >= 1"),
+    ("prepare.py", ["--memory_mb", "0"], "argument --memory_mb: expected a whole number"),
+    ("recipe.py", ["--steps", "0"], "argument --steps: expected a whole number >= 1"),
+    ("report_cost.py", ["--rounds", "0"], "argument --rounds: expected a whole number"),
+    ("startup.py", ["--mb", "0"], "argument --mb: expected a whole number >= 1"),
+    ("throughput.py", ["--steps", "0"], "argument --steps: expected a whole number >= 1"),
+]
+
+
+@pytest.mark.parametrize("script, args, message", BAD_BENCH_ARGS)
+def test_a_bad_benchmark_argument_is_one_line(script, args, message, monkeypatch, capsys):
+    """Each benchmark's parser is the commands' own (cli.ArgumentParser): one line, exit 2,
+    before any work."""
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(REPO / "bench" / script), run_name="__main__")
+    assert exit_.value.code == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {message}"), line

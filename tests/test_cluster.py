@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils.launch import prepare_multi_gpu_env
 
@@ -20,8 +21,9 @@ import config
 import launch
 import train
 from conftest import LOSS_RTOL, WEIGHT_TOL, micro_config
+from test_resume import MakesDir
 from test_train import (REPO, assert_weights, checkpoint_weights, cli_args, free_port,
-                        launch_command, train_records)
+                        launch_command, train_records, watched_train_py)
 
 JOB_ID = "4242"
 
@@ -67,6 +69,7 @@ def slurm_env(tmp_path: Path, nodes: int) -> dict:
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
             "SLURM_JOB_ID": JOB_ID, "SLURM_JOB_NODELIST": "node[1-2]",
             "SLURM_NNODES": str(nodes), "SLURM_GPUS_ON_NODE": "1", "SLURM_SUBMIT_DIR": str(REPO),
+            "SLURM_CPUS_PER_TASK": "64",  # what sbatch sets from the script's --cpus-per-task
             "MASTER_PORT": str(free_port()), "TMPDIR": str(tmp_path),
             "STUB_LOG": str(tmp_path / "stubs.log")}
 
@@ -300,7 +303,8 @@ def test_micro_batch_fits_any_world_size():
 def test_slurm_script_passes_arguments_whole(tmp_path):
     """"$@", not $*: a flag whose value holds spaces reaches each node's launch line as one
     argument, after the script's own, and before the micro-batch it derived (--preset tiny:
-    16 sequences per step over 8 ranks, 2 each)."""
+    16 sequences per step over 8 ranks, 2 each). srun is given the job's CPUs per task
+    itself (Slurm 22.05 to 23.02 would give each node's ranks one core)."""
     env = slurm_env(tmp_path, nodes=1) | {"SLURM_GPUS_ON_NODE": "8", "STUB_DRY": "1"}
     done = subprocess.run(["bash", "accelerate_configs/slurm_fsdp2.sh",
                            "--sample_prompt=def main(argv):", "--preset", "tiny"],
@@ -308,6 +312,7 @@ def test_slurm_script_passes_arguments_whole(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     args = (tmp_path / "srun.args").read_text().split("\0")[:-1]
     node_script = next(a for a in args if "accelerate launch" in a)
+    assert "--cpus-per-task=64" in args[:args.index(node_script)]
     assert args[args.index(node_script) + 1:] == [
         "bash", "--preset=stack100m", "--sample_prompt=def main(argv):", "--preset", "tiny",
         "--micro_batch_size=2"]
@@ -375,6 +380,35 @@ def test_a_sigterm_that_reaches_one_rank_stops_every_rank_at_the_same_step(small
 
 
 @pytest.mark.distributed
+def test_a_file_refused_on_one_rank_only_stops_every_rank_with_its_reason(small_data_dir,
+                                                                         tmp_path):
+    """Rank 1's RNG file of the newest checkpoint is a pickle that would run code (its
+    __reduce__ is os.mkdir); rank 0's reads fine. Every rank refuses it with rank 1's reason,
+    printed once, on one line, by rank 0; nothing runs; a rank exits 2 having left its
+    process group (this error path once ended in SIGABRT at exit, gloo's threads torn down
+    with the interpreter), and no rank's traceback is printed, only the launcher's report."""
+    cfg = micro_config(small_data_dir, str(tmp_path / "run"), ckpt_every=2, stop_at_step=4)
+    train.main(cfg)
+    rng1, marker = checkpoint.step_path(cfg.out_dir, 4) / "rng_rank1.pt", tmp_path / "pwned"
+    torch.save(MakesDir(marker), rng1)
+    command = launch_command(dataclasses.replace(cfg, stop_at_step=6), processes=2)
+    command[command.index("train.py")] = str(watched_train_py(tmp_path))
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {rng1}: holds a reference to posix.mkdir, which a checkpoint "
+                      f"this trainer wrote never does; refusing to read it (unpickling it could "
+                      f"run code). Delete this checkpoint folder or replace it with one this "
+                      f"trainer wrote (rank 1)"], done.stderr[-3000:]
+    # The first rank out exits 2; the launcher then ends the other (SIGTERM) and reports.
+    assert "(exitcode: 2)" in done.stderr and "terminate called" not in done.stderr
+    assert "Traceback" not in done.stderr.split("ChildFailedError")[0].split("failed (exitcode")[0]
+    left = re.findall(r"process group at exit: (\w+)", done.stdout)
+    assert left and set(left) == {"False"}, done.stdout[-3000:]
+    assert not marker.exists()
+
+
+@pytest.mark.distributed
 def test_a_file_damaged_for_one_rank_only_is_skipped_by_every_rank(small_data_dir, tmp_path):
     """Rank 1's RNG file of the newest checkpoint is cut short; rank 0's reads fine. The
     ranks vote, so both set it aside and resume from the one before (a rank resuming alone
@@ -388,7 +422,9 @@ def test_a_file_damaged_for_one_rank_only_is_skipped_by_every_rank(small_data_di
     done = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "a file another rank reads is damaged; kept as" in done.stdout
+    rng1 = checkpoint.step_path(cfg.out_dir, 4) / "rng_rank1.pt"
+    assert f"skipping damaged checkpoint: {rng1}: " in done.stdout  # rank 1's own reason
+    assert "(rank 1); kept as" in done.stdout
     assert f"resumed from {checkpoint.step_path(cfg.out_dir, 2)} at step 2" in done.stdout
     straight = micro_config(small_data_dir, str(tmp_path / "straight"), ckpt_every=2,
                             stop_at_step=6)
@@ -455,9 +491,10 @@ def launched_env(yaml_text: str, tmp_path: Path) -> dict:
 def test_the_shipped_launch_configs_pass_the_check(yaml, tmp_path):
     text = (REPO / "accelerate_configs" / yaml).read_text()
     env = launched_env(text, tmp_path)
-    assert launch.check_launch(env, "bf16") == []
+    launch.check_launch(env)  # refuses nothing
+    assert launch.precision_warnings(env, "bf16") == []
     assert launch.reshard_after_forward(env)
-    assert launch.check_launch(env, "no") == [
+    assert launch.precision_warnings(env, "no") == [
         "warning: the launch config's mixed_precision=bf16 is ignored: this run uses no, from "
         "its config (--mixed_precision chooses)"]
 
@@ -474,7 +511,7 @@ FSDP_YAML = (REPO / "accelerate_configs" / "fsdp2.yaml").read_text()
 def test_a_launch_config_key_train_py_would_not_honour_is_refused(key, value, tmp_path):
     env = launched_env(f"{FSDP_YAML}  {key}: {value}\n", tmp_path)
     with pytest.raises(ValueError, match=f"^launch config: {key}={value} "):
-        launch.check_launch(env, "bf16")
+        launch.check_launch(env)
 
 
 def test_fsdp_reshard_after_forward_false_reaches_shard_model(tmp_path):
@@ -482,21 +519,31 @@ def test_fsdp_reshard_after_forward_false_reaches_shard_model(tmp_path):
     gathered after the forward when it is false."""
     env = launched_env(FSDP_YAML.replace("reshard_after_forward: true",
                                          "reshard_after_forward: false"), tmp_path)
-    assert launch.check_launch(env, "bf16") == [] and not launch.reshard_after_forward(env)
+    launch.check_launch(env)  # refuses nothing
+    assert not launch.reshard_after_forward(env)
 
 
 def test_dynamo_in_the_launch_config_is_refused(tmp_path):
     env = launched_env(FSDP_YAML + "dynamo_config:\n  dynamo_backend: INDUCTOR\n", tmp_path)
     with pytest.raises(ValueError, match="would compile the model a second time"):
-        launch.check_launch(env, "bf16")
+        launch.check_launch(env)
 
 
-def test_train_refuses_a_launch_key_before_any_work(small_data_dir, tmp_path, monkeypatch):
-    """Wired into train.setup: the refusal comes before data, model or out_dir."""
-    for name, value in {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
-                        "FSDP_OFFLOAD_PARAMS": "true"}.items():
-        monkeypatch.setenv(name, value)
+@pytest.mark.parametrize("key, value", [("fsdp_version", "1"), ("fsdp_offload_params", "true"),
+                                        ("fsdp_reshard_after_forward", "maybe")])
+def test_train_refuses_a_launch_key_before_accelerate_reads_it(key, value, small_data_dir,
+                                                               tmp_path, monkeypatch, capsys):
+    """train.py's own line, from the environment accelerate launch exports for the yaml, and
+    before data, model or out_dir: made first, the Accelerator ended fsdp_version 1 in
+    accelerate's traceback (FSDP1 on a CPU) and `maybe` in 'invalid truth value maybe',
+    naming neither key nor file."""
+    env = launched_env(f"{FSDP_YAML}  {key}: {value}\n", tmp_path)
+    for name in [n for n in env if n.startswith(("ACCELERATE_", "FSDP_"))]:
+        monkeypatch.setenv(name, env[name])
     cfg = micro_config(small_data_dir, str(tmp_path / "run"))
-    with pytest.raises(ValueError, match="fsdp_offload_params=true is not honoured"):
-        train.main(dataclasses.replace(cfg))
+    with pytest.raises(SystemExit) as exit_:
+        train.cli(cli_args(cfg))
+    assert exit_.value.code == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: launch config: {key}={value} "), line
     assert not (tmp_path / "run").exists()

@@ -189,6 +189,42 @@ def test_a_damaged_checkpoint_is_one_line(trained, capsys, damage):
     assert err.startswith(f"error: {step8}")
 
 
+@pytest.mark.parametrize("damage", ["missing", "cut short"])
+def test_a_checkpoint_with_a_damaged_dcp_file_names_the_file_and_an_export_that_works(
+        trained, capsys, damage):
+    """DCP's own error says only which rank failed ("CheckpointException ranks:
+    dict_keys([0])"): the line names the file, what is wrong with it, and the checkpoint to
+    export instead, and that command, run as written, exports."""
+    step8, step4 = (Path(trained.out_dir) / "ckpt" / f"step_000000{n}" for n in (8, 4))
+    shard = next(step8.glob("*.distcp"))
+    if damage == "missing":
+        shard.unlink()
+    else:
+        shard.write_bytes(shard.read_bytes()[:100])
+    err = run_cli([trained.out_dir], capsys, export.main)
+    what = "is missing (.metadata lists it)" if damage == "missing" else \
+        "is cut short: 100 bytes, .metadata reads it to byte"
+    assert err.startswith(f"error: {shard} {what}"), err
+    fix = f"export another checkpoint: `python export.py {trained.out_dir} --resume {step4}`"
+    assert err.endswith(fix), err
+    export.main(fix.split("`")[1].split()[2:])
+    assert "exported" in capsys.readouterr().out
+
+
+def test_a_checkpoint_given_as_out_dir_is_refused_with_the_command_that_exports_it(trained,
+                                                                                  capsys):
+    """Followed, the old fix ("pass --resume PATH") wrote the export inside the checkpoint
+    folder, which pruning deletes whole."""
+    step8 = Path(trained.out_dir) / "ckpt" / "step_0000008"
+    err = run_cli([str(step8)], capsys, export.main)
+    command = f"python export.py {trained.out_dir} --resume {step8}"
+    assert err == f"error: {step8} is a checkpoint, not a run's out_dir; export it with " \
+                  f"`{command}`"
+    assert not (step8 / "export").exists()
+    export.main(command.split()[2:])
+    assert (Path(trained.out_dir) / "export" / "model.pt").exists()
+
+
 def test_the_revision_is_recorded_in_the_checkpoint_the_banner_and_the_export(capsys,
                                                                               trained):
     """In this git checkout, the revision is HEAD's sha (with -dirty for uncommitted

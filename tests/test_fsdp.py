@@ -27,6 +27,9 @@ from test_cluster import processes_of, rank_of, wait_for_steps
 from test_train import assert_weights, checkpoint_weights, free_port, launch_command
 
 ROOT = Path(__file__).resolve().parent.parent
+# FSDP2 bf16 against DDP bf16 autocast, train losses over 4 steps: 4.8e-5 relative at most
+# (measured, 2 ranks), from the bf16 residual stream and bf16-rounded norm gains; 10x that.
+BF16_LOSS_RTOL = 5e-4
 
 
 def torchrun(nproc: int, action: str, data_dir: str, out: Path):
@@ -240,6 +243,66 @@ def test_train_py_runs_whole_under_fsdp2_and_matches_one_process(small_data_dir,
     exported = [torch.load(export.export(c.out_dir) / "model.pt", weights_only=True)
                 for c in (cfg, reference)]
     assert_weights(*exported, atol=WEIGHT_TOL)
+
+
+# train.py's command on a CPU that stands in for one computing bf16 (so that auto is bf16
+# on any CPU), watched: at each rank's first attention, the dtypes of what reaches it and of
+# the q_proj weight it computes with (FSDP2's gathered parameter), into OUT/dtypes_<rank>.
+BF16_TRAIN_PY = """\
+import json, os, sys
+import torch
+import launch, model, train
+launch.cpu_computes_bf16 = lambda: True
+seen = {}
+def watch(module, args):
+    if isinstance(module, model.Attention) and not seen:
+        x, cos, sin = args[:3]
+        seen.update(x=str(x.dtype), cos=str(cos.dtype), sin=str(sin.dtype),
+                    weight=str(module.q_proj.weight.dtype))
+        with open(os.path.join(sys.argv[-1], f"dtypes_{os.environ['RANK']}"), "w") as f:
+            json.dump(seen, f)
+torch.nn.modules.module.register_module_forward_pre_hook(watch)
+train.cli(sys.argv[1:-1])
+"""
+
+
+def launch_bf16(cfg, config_file: str, tmp_path: Path) -> dict:
+    """train.py on 2 CPU ranks under `config_file`, mixed_precision auto, as BF16_TRAIN_PY
+    watches it: what rank 0 saw reach its attention."""
+    script = tmp_path / "bf16_train.py"
+    script.write_text(BF16_TRAIN_PY)
+    command = launch_command(dataclasses.replace(cfg, mixed_precision="auto"), 2, config_file)
+    command[command.index("train.py")] = str(script)
+    done = subprocess.run(command + [str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1",
+                                                         "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "precision bf16 (auto: this CPU computes bf16 natively" in done.stdout
+    return json.loads((tmp_path / "dtypes_0").read_text())
+
+
+@pytest.mark.distributed
+def test_fsdp2_under_auto_bf16_gathers_bf16_and_rotates_in_fp32_as_ddp_does(small_data_dir,
+                                                                          tmp_path):
+    """Where auto resolves to bf16, a sharded run computes in bf16: FSDP2 gathers bf16
+    parameters (its mixed-precision policy is a sharded model's only bf16: no autocast),
+    from the resolved precision, not the literal knob. RoPE's cos and sin reach every block
+    in fp32, as under DDP's autocast (FSDP2 would cast them to bf16 with the block's
+    inputs). Its losses are DDP bf16's to within bf16's rounding (FSDP2's residual stream is
+    bf16, as torchtitan's; DDP's autocast keeps it fp32)."""
+    cfg = dist_fsdp.fsdp_config(small_data_dir, str(tmp_path / "fsdp2"), stop_at_step=4,
+                                total_steps=8)
+    ddp_cfg = dataclasses.replace(cfg, out_dir=str(tmp_path / "ddp"))
+    (tmp_path / "f").mkdir(), (tmp_path / "d").mkdir()
+    sharded, ddp = launch_bf16(cfg, "fsdp2.yaml", tmp_path / "f"), \
+        launch_bf16(ddp_cfg, "cpu_ddp.yaml", tmp_path / "d")
+    assert sharded == {"x": "torch.bfloat16", "cos": "torch.float32", "sin": "torch.float32",
+                       "weight": "torch.bfloat16"}, sharded
+    assert ddp == {"x": "torch.float32", "cos": "torch.float32", "sin": "torch.float32",
+                   "weight": "torch.float32"}, ddp  # autocast casts at each matmul
+    ours, theirs = logged(cfg, "train"), logged(ddp_cfg, "train")
+    for a, b in zip(ours, theirs, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=BF16_LOSS_RTOL), (a["step"], a, b)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """launch.py's choices for `auto`: bf16 where the CPU computes it in hardware (read from its
 flags, checked here against /proc/cpuinfo texts of the kinds the kernel writes), fp32 on any
-other CPU, bf16 on a GPU; an explicit knob wins; the banner says what was chosen and why."""
+other CPU, bf16 on a GPU with bf16 tensor cores (Ampere on) and fp32 on an older one; an
+explicit knob wins; the banner says what was chosen and why."""
 
 import types
 
@@ -35,12 +36,26 @@ def test_without_proc_cpuinfo_the_cpu_counts_as_having_no_bf16(tmp_path):
     assert launch.cpu_computes_bf16(tmp_path / "absent") is False
 
 
-@pytest.mark.parametrize("cuda, native, want", [
-    (False, False, ("no", "auto: this CPU has no bf16 arithmetic")),
-    (False, True, ("bf16", "auto: this CPU computes bf16 natively")),
-    (True, False, ("bf16", "auto: a GPU"))])
-def test_auto_precision_is_what_this_machine_computes_fastest(monkeypatch, cuda, native, want):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+# A GPU as torch.cuda describes it: (name, compute capability).
+H100, A100, T4, V100 = ("NVIDIA H100 80GB HBM3", (9, 0)), ("NVIDIA A100-SXM4-80GB", (8, 0)), \
+    ("Tesla T4", (7, 5)), ("Tesla V100-SXM2-16GB", (7, 0))
+
+
+@pytest.mark.parametrize("gpu, native, want", [
+    (None, False, ("no", "auto: this CPU has no bf16 arithmetic")),
+    (None, True, ("bf16", "auto: this CPU computes bf16 natively")),
+    (H100, False, ("bf16", "auto: NVIDIA H100 80GB HBM3 (compute capability 9.0) computes bf16")),
+    (A100, False, ("bf16", "auto: NVIDIA A100-SXM4-80GB (compute capability 8.0) computes bf16")),
+    (T4, True, ("no", "auto: Tesla T4 (compute capability 7.5) has no bf16 tensor cores, which "
+                      "GPUs have from Ampere (8.0) on")),
+    (V100, True, ("no", "auto: Tesla V100-SXM2-16GB (compute capability 7.0) has no bf16"))])
+def test_auto_precision_is_what_this_machine_computes_fastest(monkeypatch, gpu, native, want):
+    """A GPU stands in by its name and compute capability, as torch.cuda reports them: a T4
+    or a V100 (a free notebook's GPU) trains in fp32, as bf16 there is emulated."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu is not None)
+    if gpu is not None:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu[0])
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: gpu[1])
     monkeypatch.setattr(launch, "cpu_computes_bf16", lambda: native)
     precision, why = launch.precision(config.tiny())
     assert (precision, why[:len(want[1])]) == want

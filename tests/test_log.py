@@ -27,7 +27,16 @@ def test_peak_flops_table():
     assert log.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert log.peak_flops("NVIDIA H100 PCIe") == 756e12
     assert log.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert log.peak_flops("NVIDIA L4") == 121e12
     assert log.peak_flops("cpu") is None
+
+
+@pytest.mark.parametrize("name", ["NVIDIA L40", "NVIDIA RTX A1000 6GB Laptop GPU",
+                                  "NVIDIA H100", "NVIDIA H200 NVL", "Tesla T4"])
+def test_a_card_the_table_does_not_name_exactly_has_no_peak(name):
+    """A card whose name only contains a known one is another card: its MFU is n/a, not
+    the L4's (for the L40) or the A100's (for an RTX A1000)."""
+    assert log.peak_flops(name) is None
 
 
 @pytest.mark.parametrize("bf16", [False, True])

@@ -357,6 +357,48 @@ def test_block_compiles_without_graph_breaks(with_seq_ids):
     torch.testing.assert_close(compiled(x, cos, sin, mask), block(x, cos, sin, mask))
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_a_compiled_block_traces_flex_attention_itself(monkeypatch):
+    """Inside a compiled block flex_attention is compiled with the block: the cached
+    compiled copy (model.compiled), which eager calls need, is not reached while tracing
+    (dynamo warns that a functools.cache'd function it traces may be silently wrong). A CPU
+    BlockMask takes the CUDA path's lines, forward only."""
+    reached = []
+    monkeypatch.setattr(M, "compiled", lambda kernel, **options: reached.append(kernel) or
+                        (lambda *args, **kwargs: kernel(*args, **kwargs)))
+    block = small_model().blocks[0]
+    x = torch.randn(2, 128, 32)
+    cos, sin = M.rope_cos_sin(torch.arange(128).expand(2, 128), 8, 10000.0)
+    seq_ids = torch.tensor([[0] * 50 + [1] * 78] * 2)
+    mask = M.document_block_mask(seq_ids)  # eager on CPU: built without `compiled`
+    with torch.no_grad():
+        traced = torch.compile(block, backend="eager", fullgraph=True)(x, cos, sin, mask)
+        assert reached == []
+        torch.testing.assert_close(traced, block(x, cos, sin, mask))  # eager: the cached copy
+    assert reached and reached[0] is M.flex_attention
+
+
+def test_generation_with_compiled_blocks_compiles_nothing(monkeypatch):
+    """The end-of-run sample runs the uncompiled blocks: each step's new cache length, batch
+    of 1 and grad mode off would make compiled ones compile again and again (up to dynamo's
+    limit of 8), seconds each on a CPU and an inductor compile each on a GPU. A counting
+    backend sees every compile."""
+    model, graphs = small_model(init_std=0.3), []
+
+    def counting(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+    eager = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=6, temperature=0)
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, backend=counting)
+    ids = torch.randint(0, 97, (2, 8))
+    model(ids, ids)  # a training forward compiles the blocks
+    compiled = len(graphs)
+    generated = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=6, temperature=0)
+    assert compiled > 0 and len(graphs) == compiled
+    assert torch.equal(generated, eager)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_flex_attention_matches_dense_mask_on_cuda():

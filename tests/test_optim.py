@@ -633,6 +633,17 @@ def test_sharded_muon_equals_single_process_muon(sharded_runs, world_size):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_muon_makes_two_collectives_per_matrix_shape(sharded_runs, world_size):
+    """The matrices of a shape go to their owners and back in one all-to-all each way: a
+    step's collectives grow with the distinct shapes (5 here), not the matrices (10; one
+    gather and one scatter for each was 20)."""
+    result = sharded_runs[world_size]
+    assert (result["matrices"], result["shapes"]) == (10, 5), result
+    assert result["collectives"] == 2 * result["shapes"], result
+
+
+@pytest.mark.distributed
 def test_sharded_checkpoint_reloads_on_another_number_of_ranks(sharded_runs):
     """Saved at 2 ranks, resumed at 3. The negative control reloads only the weights, so Muon
     restarts from zero momentum: off by 0.15, so the momentum buffers are really restored."""

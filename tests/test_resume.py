@@ -24,6 +24,7 @@ import optim
 import train
 from conftest import micro_config
 from model import Transformer
+from test_errors import run_cli
 from test_train import cli_args
 
 
@@ -250,7 +251,8 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(small_data_dir
     train.main(resumed)
     out = capsys.readouterr().out
     kept = ckpt(cfg, 4).with_name("step_0000004.damaged")
-    assert f"skipping damaged checkpoint {ckpt(cfg, 4)}" in out and f"kept as {kept}" in out
+    assert f"skipping damaged checkpoint: {shard} is cut short: " in out  # DCP's file, named
+    assert f"kept as {kept}" in out
     assert {p.name: p.read_bytes() for p in kept.iterdir()} == evidence
     assert checkpoint.read_train_state(ckpt(cfg, 4))["step"] == 4  # the resumed run's own
     assert f"resumed from {ckpt(cfg, 2)} at step 2" in out
@@ -323,6 +325,26 @@ def test_a_truncated_rng_file_is_damaged_not_unsafe(tmp_path):
     with pytest.raises(checkpoint.DamagedCheckpointError, match=f"^{rng}: "):
         with checkpoint.reading(rng):
             checkpoint.read_tensors(rng)
+
+
+def test_a_resume_that_names_no_checkpoint_is_refused_with_its_fix(small_data_dir, tmp_path,
+                                                                   capsys):
+    """Checked even where out_dir holds checkpoints of its own (--resume=latest was taken
+    there as a branch origin, never read, and the run went on from its own newest): other
+    trainers' word for the newest names --resume=auto; a checkpoint's train_state.json names
+    its folder; a folder without one says so."""
+    cfg = micro_config(small_data_dir, str(tmp_path / "run"), ckpt_every=2, stop_at_step=4)
+    train.main(cfg)
+    base = cli_args(dataclasses.replace(cfg, stop_at_step=6))
+    state = ckpt(cfg, 4) / "train_state.json"
+    for resume, message in [
+            ("latest", "error: resume=latest: the newest checkpoint is --resume=auto here (the "
+                       "default); or name a checkpoint folder, out_dir/ckpt/step_XXXXXXX"),
+            (str(state), f"error: resume={state} is the checkpoint's train_state.json; name the "
+                         f"folder that holds it: --resume={ckpt(cfg, 4)}"),
+            (str(tmp_path), f"error: resume={tmp_path}: no train_state.json there")]:
+        assert run_cli(base + [f"--resume={resume}"], capsys).startswith(message)
+    assert records(cfg)[-1]["step"] == 4  # nothing trained
 
 
 def test_out_dir_that_is_a_file_is_refused(small_data_dir, tmp_path):

@@ -121,6 +121,21 @@ def test_unreadable_weights_and_tokenizer(export, tmp_path, capsys):
     sample.load_export(str(export))  # the good export still loads
 
 
+@pytest.mark.parametrize("device, message", [
+    ("gpu", "--device gpu is not a device torch knows; use cpu, or cuda (cuda:N) on a machine "
+            "with a GPU"),
+    ("cuda", "--device cuda: this machine has no CUDA GPU; use --device cpu")])
+def test_a_device_this_machine_lacks_is_named_not_blamed_on_the_export(export, capsys,
+                                                                      monkeypatch, device,
+                                                                      message):
+    """torch.load's own error for it read "model.pt is not a readable torch.save file",
+    with a fix (export again) that cannot help."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        sample.main(["--export", str(export), "--device", device])
+    assert_one_line_error(exit_info.value.code, capsys.readouterr().err, message)
+
+
 class RunsCode:
     """Unpickling this runs a shell command: what a crafted model.pt would do."""
 

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -212,30 +213,59 @@ def test_two_ranks_equal_one_rank_with_accumulation(small_data_dir, tmp_path):
     assert_weights(checkpoint_weights(one, 8), checkpoint_weights(resumed, 8), atol=2e-5)
 
 
-@pytest.mark.distributed
-def test_a_launched_run_leaves_its_process_group_before_the_interpreter_exits(
-        small_data_dir, tmp_path):
-    """train.py's command on 2 DDP ranks destroys its process group before the interpreter
-    exits: left to the exit, gloo's threads can abort a finished run (SIGABRT, "terminate
-    called without an active exception"), as one 3-rank resume did in CI. An exit hook,
-    which runs before the interpreter is torn down, reads it on each rank (in one write, so
-    the ranks' lines cannot interleave)."""
+# train.py's command, watched: an exit hook, which runs before the interpreter is torn down,
+# writes whether the process group is still there, and when the process left (one write
+# per rank, so the ranks' lines cannot interleave). With LINGER_S set, rank 0 stays that
+# long in its run after training, as it does writing the end record and the report, and
+# says when it is done.
+WATCHED_TRAIN_PY = """\
+import atexit, os, sys, time
+import torch.distributed as dist
+import train
+atexit.register(lambda: os.write(1, f"process group at exit: {dist.is_initialized()} "
+                                    f"at {time.time()}\\n".encode()))
+main, linger = train.main, float(os.environ.get("LINGER_S", "0"))
+def lingering(*args, **kwargs):
+    metrics = main(*args, **kwargs)
+    time.sleep(linger)
+    os.write(1, f"rank 0 done at {time.time()}\\n".encode())
+    return metrics
+if linger and os.environ["RANK"] == "0":
+    train.main = lingering
+train.cli(sys.argv[1:])
+"""
+
+
+def watched_train_py(tmp_path: Path) -> Path:
     script = tmp_path / "watched.py"
-    script.write_text(
-        "import atexit, os, sys\nimport torch.distributed as dist\nimport train\n"
-        "atexit.register(lambda: os.write(1, f'process group at exit: "
-        "{dist.is_initialized()}\\n'.encode()))\n"
-        "train.cli(sys.argv[1:])\n")
+    script.write_text(WATCHED_TRAIN_PY)
+    return script
+
+
+@pytest.mark.distributed
+def test_a_launched_run_leaves_its_process_group_after_every_rank_is_done(small_data_dir,
+                                                                          tmp_path):
+    """train.py's command on 2 DDP ranks leaves its process group before the interpreter
+    exits (left to the exit, gloo's threads can abort a finished run: SIGABRT, "terminate
+    called without an active exception", as one 3-rank resume did in CI), and not before
+    every rank is done: a rank that left while rank 0 still wrote its end record aborted
+    too (1 of 36 bare launches here). Rank 0 lingers 2 s after training; rank 1 leaves
+    after it."""
     cfg = micro_config(small_data_dir, str(tmp_path / "run"), stop_at_step=2, eval_every=2)
     command = launch_command(cfg, processes=2)
-    command[command.index("train.py")] = str(script)
+    command[command.index("train.py")] = str(watched_train_py(tmp_path))
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+                               "LINGER_S": "2"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "hardware: 2 × cpu" in done.stdout  # the ranks did form a process group
-    assert done.stdout.count("process group at exit: False") == 2, done.stdout[-3000:]
+    exits = re.findall(r"process group at exit: (\w+) at ([\d.]+)", done.stdout)
+    assert [left for left, _ in exits] == ["False", "False"], done.stdout[-3000:]
+    rank0_done = float(re.search(r"rank 0 done at ([\d.]+)", done.stdout)[1])
+    assert all(float(at) >= rank0_done for _, at in exits), (rank0_done, exits)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
 def test_batches_reach_the_gpu_through_pinned_memory(monkeypatch):
     """Only from pinned memory can the non_blocking copy overlap compute: each tensor is
