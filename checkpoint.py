@@ -207,17 +207,23 @@ def find(out_dir, resume: str) -> Path | None:
     if resume == "auto":
         done = complete_checkpoints(out_dir)
         return done[-1] if done else None
+    check_spelling(resume)
+    if not (Path(resume) / "train_state.json").exists():
+        raise FileNotFoundError(f"resume={resume}: no train_state.json there; point it at "
+                                f"an out_dir/ckpt/step_XXXXXXX folder")
+    return Path(resume)
+
+
+def check_spelling(resume: str):
+    """Refuse a --resume PATH that cannot mean a checkpoint folder, whether or not the run
+    reads it: another trainer's word for the newest, or a checkpoint's train_state.json."""
     path = Path(resume)
     if resume in NEWEST_ELSEWHERE and not path.exists():
         raise ValueError(f"resume={resume}: the newest checkpoint is --resume=auto here (the "
                          f"default); or name a checkpoint folder, out_dir/ckpt/step_XXXXXXX")
-    if path.is_file() and path.name == "train_state.json":
+    if path.name == "train_state.json":
         raise ValueError(f"resume={resume} is the checkpoint's train_state.json; name the folder "
                          f"that holds it: --resume={path.parent}")
-    if not (path / "train_state.json").exists():
-        raise FileNotFoundError(f"resume={resume}: no train_state.json there; point it at "
-                                f"an out_dir/ckpt/step_XXXXXXX folder")
-    return path
 
 
 def unwrapped_optimizer(optimizer):
@@ -264,11 +270,15 @@ def save(accelerator, model, optimizers: list, train_state: dict, out_dir,
 
 def read_train_state(path: Path) -> dict:
     """The checkpoint's train_state.json in today's layout; DamagedCheckpointError if it
-    cannot be read."""
+    cannot be read, or is not a train state (a JSON object holding the step)."""
     try:
-        return current_layout(json.loads((Path(path) / "train_state.json").read_text()))
+        state = json.loads((Path(path) / "train_state.json").read_text())
     except (OSError, ValueError) as e:
-        raise DamagedCheckpointError(f"{path}: train_state.json: {e}") from e
+        raise DamagedCheckpointError(f"{path}: train_state.json: {failure(e)}") from e
+    if not (isinstance(state, dict) and isinstance(state.get("step"), int)):
+        raise DamagedCheckpointError(f"{path}: train_state.json is not a checkpoint's train "
+                                     f"state (a JSON object holding its step)")
+    return current_layout(state)
 
 
 def current_layout(state: dict) -> dict:

@@ -160,7 +160,7 @@ def check_launch(environ):
         raise ValueError(f"launch config: dynamo_backend={environ['ACCELERATE_DYNAMO_BACKEND']} "
                          f"would compile the model a second time; train.py compiles each block "
                          f"itself: remove dynamo_config and use --compile_model")
-    if environ.get("ACCELERATE_USE_FSDP") == "true":
+    if fsdp_launch(environ):
         if environ.get("FSDP_VERSION") != "2":
             raise ValueError(f"launch config: fsdp_version={environ.get('FSDP_VERSION')} asks "
                              f"for FSDP1, and train.py shards with FSDP2 only; set "

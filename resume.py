@@ -45,9 +45,10 @@ def candidates(cfg: TrainConfig) -> list[Path]:
     if setting == "auto":
         found = own
     else:
-        named = checkpoint.find(out_dir, setting)  # refuses a --resume that names no checkpoint
+        checkpoint.check_spelling(setting)
+        # A branch's origin is not read once out_dir holds its own (it may be pruned since).
         branched = own and not is_inside(setting, checkpoint.ckpt_root(out_dir))
-        found = own if branched else [named]
+        found = own if branched else [checkpoint.find(out_dir, setting)]
     check_unfinished(found, cfg.stop_at_step, setting)
     return found
 

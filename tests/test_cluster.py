@@ -514,6 +514,26 @@ def test_a_launch_config_key_train_py_would_not_honour_is_refused(key, value, tm
         launch.check_launch(env)
 
 
+def test_every_fsdp_variable_accelerate_passes_on_is_honoured_or_checked(tmp_path):
+    """What accelerate's launcher exports for fsdp2.yaml (every key it knows that has a
+    default): each variable is one train.py honours or one it refuses off its default."""
+    exported = {name for name in launched_env(FSDP_YAML, tmp_path) if name.startswith("FSDP_")}
+    assert exported - set(launch.REFUSED_FSDP_KEYS) == {"FSDP_VERSION",
+                                                        "FSDP_RESHARD_AFTER_FORWARD"}
+
+
+@pytest.mark.parametrize("variable", sorted(launch.REFUSED_FSDP_KEYS))
+def test_every_fsdp_key_train_py_does_not_honour_is_refused_off_its_default(variable):
+    """Each variable of REFUSED_FSDP_KEYS, set to anything but accelerate's default, is
+    refused naming the yaml key; at its default (or absent) it passes."""
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+    default = launch.REFUSED_FSDP_KEYS[variable][0]
+    launch.check_launch(env | ({} if default is None else {variable: default}))
+    with pytest.raises(ValueError, match=f"^launch config: {variable.lower()}=odd is not "
+                                         f"honoured: .*; remove it from the yaml"):
+        launch.check_launch(env | {variable: "odd"})
+
+
 def test_fsdp_reshard_after_forward_false_reaches_shard_model(tmp_path):
     """The one FSDP key with an effect: test_fsdp.py shows shard_model keeping the weights
     gathered after the forward when it is false."""

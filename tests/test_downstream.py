@@ -527,6 +527,9 @@ def test_nextline_of_moved_files_or_raw_text_says_so_and_the_fix_serves(small_da
                                          f"now.*; put it back there, or pass "
                                          f"--downstream=nextline"):
         downstream.nextline_task("moved", small_data_dir)
+    items, origin = downstream.nextline_task(None, "moved")  # bare: the run's own, moved
+    assert items and origin.startswith("the built-in corpus's val files, read from the "
+                                       "standard library (") and "not there now" in origin
     Path("raw-elsewhere").rename(raw)
     assert downstream.nextline_task("moved", small_data_dir)[0]
     with pytest.raises(ValueError) as refused:

@@ -135,12 +135,15 @@ def test_argparse_refusals_are_one_line_too(command, argv, message, capsys):
 
 
 def test_debug_shows_the_traceback_and_other_ranks_stay_quiet(monkeypatch, capsys):
+    """Under a launcher rank 0 alone prints an error: a config's, and argparse's own."""
     with pytest.raises(ValueError, match="muon_peak_lr"):
         train.cli(["--muon_peak_lr=nan", "--debug"])
-    monkeypatch.setenv("RANK", "1")  # under a launcher, rank 0 alone prints the error
-    with pytest.raises(SystemExit):
-        train.cli(["--muon_peak_lr=nan"])
-    assert capsys.readouterr().err == ""
+    assert run_cli(["--preset=tinyy"], capsys).endswith(" --help` lists the flags")
+    monkeypatch.setenv("RANK", "1")
+    for argv in (["--muon_peak_lr=nan"], ["--preset=tinyy"]):
+        with pytest.raises(SystemExit) as exit_:
+            train.cli(argv)
+        assert exit_.value.code == 2 and capsys.readouterr().err == ""
 
 
 def test_the_command_line_itself_prints_no_traceback():

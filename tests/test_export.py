@@ -225,6 +225,53 @@ def test_a_checkpoint_given_as_out_dir_is_refused_with_the_command_that_exports_
     assert (Path(trained.out_dir) / "export" / "model.pt").exists()
 
 
+@pytest.mark.parametrize("fmt, names", [("stacklm", export.STACKLM_FILES),
+                                         ("hf", export.HF_FILES)])
+def test_a_killed_exports_scratch_folder_is_cleared_by_the_next_export(trained, fmt, names):
+    """A kill mid-export leaves export.tmp (export-hf.tmp) holding some of the export's own
+    files, half written: the next export clears it and writes the whole export."""
+    folder = Path(trained.out_dir) / ("export-hf" if fmt == "hf" else "export")
+    scratch = folder.with_name(folder.name + ".tmp")
+    scratch.mkdir()
+    for name in names[:2]:
+        (scratch / name).write_bytes(b"half a")
+    assert export.export(trained.out_dir, fmt) == folder
+    assert not scratch.exists()
+    assert (folder / "config.json").read_bytes() != b"half a"
+    assert {"config.json", "tokenizer.json", "provenance.json"} <= {p.name for p in
+                                                                      folder.iterdir()}
+
+
+def test_an_export_that_fails_leaves_the_previous_export_as_it_was(trained, monkeypatch):
+    """Every file is written to the scratch folder first: an export that fails midway (the
+    weights' write, here) moves nothing into the export's folder."""
+    folder = export.export(trained.out_dir, "hf")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(export, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        export.export(trained.out_dir, "hf", resume=str(Path(trained.out_dir) / "ckpt" /
+                                                        "step_0000004"))
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_nothing_to_export_is_one_line_naming_the_fix(trained, capsys, tmp_path):
+    """A run folder without checkpoints; a run whose one checkpoint is damaged, which has
+    no other to export."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run_cli([str(empty)], capsys, export.main) == (
+        f"error: no checkpoint in {empty / 'ckpt'} to export; train first, or pass --resume "
+        f"PATH to a checkpoint folder")
+    shutil.rmtree(Path(trained.out_dir) / "ckpt" / "step_0000004")
+    shard = next((Path(trained.out_dir) / "ckpt" / "step_0000008").glob("*.distcp"))
+    shard.unlink()
+    assert run_cli([trained.out_dir], capsys, export.main).endswith(
+        "; restore the file; this run has no other checkpoint to export")
+
+
 def test_the_revision_is_recorded_in_the_checkpoint_the_banner_and_the_export(capsys,
                                                                               trained):
     """In this git checkout, the revision is HEAD's sha (with -dirty for uncommitted

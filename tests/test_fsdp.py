@@ -247,21 +247,30 @@ def test_train_py_runs_whole_under_fsdp2_and_matches_one_process(small_data_dir,
 
 # train.py's command on a CPU that stands in for one computing bf16 (so that auto is bf16
 # on any CPU), watched: at each rank's first attention, the dtypes of what reaches it and of
-# the q_proj weight it computes with (FSDP2's gathered parameter), into OUT/dtypes_<rank>.
+# the q_proj weight it computes with (FSDP2's gathered parameter); and the mixed-precision
+# policy each fully_shard call was given, by the class of the module it shards; into
+# OUT/dtypes_<rank>.
 BF16_TRAIN_PY = """\
 import json, os, sys
 import torch
+import torch.distributed.fsdp as fsdp
 import launch, model, train
 launch.cpu_computes_bf16 = lambda: True
-seen = {}
+seen, policies, shard = {}, {}, fsdp.fully_shard
 def watch(module, args):
     if isinstance(module, model.Attention) and not seen:
         x, cos, sin = args[:3]
         seen.update(x=str(x.dtype), cos=str(cos.dtype), sin=str(sin.dtype),
-                    weight=str(module.q_proj.weight.dtype))
+                    weight=str(module.q_proj.weight.dtype), policies=policies)
         with open(os.path.join(sys.argv[-1], f"dtypes_{os.environ['RANK']}"), "w") as f:
             json.dump(seen, f)
+def watched_shard(module, **kwargs):
+    policy = kwargs["mp_policy"]
+    policies[type(module).__name__] = [str(policy.param_dtype), str(policy.reduce_dtype),
+                                       policy.cast_forward_inputs]
+    return shard(module, **kwargs)
 torch.nn.modules.module.register_module_forward_pre_hook(watch)
+fsdp.fully_shard = watched_shard
 train.cli(sys.argv[1:-1])
 """
 
@@ -286,18 +295,23 @@ def test_fsdp2_under_auto_bf16_gathers_bf16_and_rotates_in_fp32_as_ddp_does(smal
                                                                           tmp_path):
     """Where auto resolves to bf16, a sharded run computes in bf16: FSDP2 gathers bf16
     parameters (its mixed-precision policy is a sharded model's only bf16: no autocast),
-    from the resolved precision, not the literal knob. RoPE's cos and sin reach every block
-    in fp32, as under DDP's autocast (FSDP2 would cast them to bf16 with the block's
-    inputs). Its losses are DDP bf16's to within bf16's rounding (FSDP2's residual stream is
-    bf16, as torchtitan's; DDP's autocast keeps it fp32)."""
+    from the resolved precision, not the literal knob, and reduce-scatters gradients in
+    fp32 (README). RoPE's cos and sin reach every block in fp32, as under DDP's autocast
+    (FSDP2 would cast them to bf16 with the block's inputs). Its losses are DDP bf16's to
+    within bf16's rounding (FSDP2's residual stream is bf16, as torchtitan's; DDP's
+    autocast keeps it fp32)."""
     cfg = dist_fsdp.fsdp_config(small_data_dir, str(tmp_path / "fsdp2"), stop_at_step=4,
                                 total_steps=8)
     ddp_cfg = dataclasses.replace(cfg, out_dir=str(tmp_path / "ddp"))
     (tmp_path / "f").mkdir(), (tmp_path / "d").mkdir()
     sharded, ddp = launch_bf16(cfg, "fsdp2.yaml", tmp_path / "f"), \
         launch_bf16(ddp_cfg, "cpu_ddp.yaml", tmp_path / "d")
+    assert sharded.pop("policies") == {  # (param, reduce, cast the module's inputs)
+        "Block": ["torch.bfloat16", "torch.float32", False],
+        "Transformer": ["torch.bfloat16", "torch.float32", True]}
     assert sharded == {"x": "torch.bfloat16", "cos": "torch.float32", "sin": "torch.float32",
                        "weight": "torch.bfloat16"}, sharded
+    assert ddp.pop("policies") == {}  # nothing sharded
     assert ddp == {"x": "torch.float32", "cos": "torch.float32", "sin": "torch.float32",
                    "weight": "torch.float32"}, ddp  # autocast casts at each matmul
     ours, theirs = logged(cfg, "train"), logged(ddp_cfg, "train")

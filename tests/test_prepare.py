@@ -124,6 +124,24 @@ def test_a_rerun_never_touches_a_prepared_directory_or_the_source(prepared, corp
     assert not (corpus[0] / "prepared").exists() and not list(tmp_path.glob("*.tmp"))
 
 
+def test_preparing_a_corpus_again_makes_the_same_tokenizer_shards_and_val_keys(prepared,
+                                                                               corpus,
+                                                                               tmp_path):
+    """ensure_builtin prepares a built-in corpus again where an older stacklm's lacks
+    val_documents.json, promising the same shards (its checkpoints resume): the tokenizer's
+    and every shard's sha256, as the manifest records them, and the val keys come out the
+    same from a second preparation of the same source."""
+    again = tmp_path / "again"
+    prepare.prepare(str(corpus[0]), str(again), vocab_size=400, shard_tokens=700,
+                    val_fraction=0.2)
+
+    def identity(folder):
+        manifest = json.loads((folder / "manifest.json").read_text())
+        return manifest["tokenizer"]["sha256"], data.fingerprint(manifest), \
+            (folder / "val_documents.json").read_text()
+    assert identity(again) == identity(prepared)
+
+
 def test_write_atomic_keeps_the_old_file_when_the_rename_fails(tmp_path, monkeypatch):
     path = tmp_path / "shard.bin"
     path.write_bytes(b"old")

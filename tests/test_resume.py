@@ -19,8 +19,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import checkpoint
 import cli
+import config
 import export
 import optim
+import resume as resume_lib
 import train
 from conftest import micro_config
 from model import Transformer
@@ -141,7 +143,8 @@ def test_a_branched_run_stopped_past_its_branch_point_continues_from_its_own_che
     """README's anneal: a stable run to step 2, then an anneal into its own out_dir with
     --resume=the stable checkpoint. A SIGTERM at step 5 saves step 5; the same command again
     continues from the anneal's own step 5 and says so, not from the branch point, and logs
-    bitwise the losses of an anneal never stopped; nothing is set aside as .replaced."""
+    bitwise the losses of an anneal never stopped; nothing is set aside as .replaced. The
+    branch point is not read again: the stable run's folder may have moved meanwhile."""
     stable = micro_config(small_data_dir, str(tmp_path / "stable"), stop_at_step=2)
     train.main(stable)
     branch_point = ckpt(stable, 2)
@@ -160,6 +163,7 @@ def test_a_branched_run_stopped_past_its_branch_point_continues_from_its_own_che
     monkeypatch.setattr(train, "train_step", step)
     assert checkpoint.newest(anneal.out_dir) == str(ckpt(anneal, 5))
     capsys.readouterr()
+    (tmp_path / "stable").rename(tmp_path / "stable-moved")
     train.main(anneal)  # the same command
     assert f"resumed from {ckpt(anneal, 5)} at step 5 (its own; --resume={branch_point} is " \
            f"where this run began" in capsys.readouterr().out
@@ -284,6 +288,54 @@ def test_a_run_resumed_from_an_older_checkpoint_keeps_the_newer_one(small_data_d
         "muon_peak_lr"] == 1e-3
 
 
+@pytest.mark.parametrize("out_dir, resume", [
+    ("run", "{tmp}/run/ckpt/step_0000002"),  # out_dir relative, --resume absolute
+    ("{tmp}/run", "run/ckpt/step_0000002"),  # the reverse
+    ("run", "link/ckpt/step_0000002"),  # --resume through a symlink to out_dir
+    ("link", "{tmp}/run/ckpt/step_0000002")])  # out_dir through the symlink
+def test_resume_naming_one_of_the_runs_own_checkpoints_is_taken_however_it_is_spelt(
+        small_data_dir, tmp_path, monkeypatch, capsys, out_dir, resume):
+    """--resume=PATH to one of out_dir's own checkpoints is taken as named: the run goes back
+    to step 2 and trains step 3 again, bitwise as the run that never resumed trained it (an
+    oracle no resume code ran). Taken for a branch origin, it would continue its own newest
+    (step 4) instead, with nothing left to train."""
+    monkeypatch.chdir(tmp_path)
+    cfg = micro_config(small_data_dir, str(tmp_path / "run"), ckpt_every=2, stop_at_step=4)
+    train.main(cfg)
+    (tmp_path / "link").symlink_to(tmp_path / "run")
+    resume = resume.format(tmp=tmp_path)
+    capsys.readouterr()
+    train.main(dataclasses.replace(cfg, out_dir=out_dir.format(tmp=tmp_path), resume=resume,
+                                   stop_at_step=3))
+    assert f"resumed from {resume} at step 2\n" in capsys.readouterr().out
+    straight, again = [r["loss"] for r in records(cfg) if r["kind"] == "train" and r["step"] == 3]
+    assert again == straight
+
+
+@pytest.mark.parametrize("damage", [b'{"step": 4, "tokens', b"\xff\xfe\x00garbled", b"{}",
+                                    b"[4]"])
+def test_a_newest_checkpoint_whose_train_state_is_damaged_falls_back_to_the_one_before(
+        small_data_dir, tmp_path, capsys, damage):
+    """README's fallback for a train_state.json cut short, garbled, or JSON without a
+    checkpoint's fields, as for a damaged tensor file: a warning that names the file, the
+    folder kept as step_0000004.damaged, and the run continues from step 2, bitwise as the
+    run that never stopped (its first start's records); no traceback."""
+    cfg = micro_config(small_data_dir, str(tmp_path), ckpt_every=2, stop_at_step=4)
+    train.main(cfg)
+    (ckpt(cfg, 4) / "train_state.json").write_bytes(damage)
+    capsys.readouterr()
+    train.cli(cli_args(cfg))
+    out, err = capsys.readouterr()
+    assert f"warning: skipping damaged checkpoint: {ckpt(cfg, 4)}: train_state.json" in out
+    assert f"resumed from {ckpt(cfg, 2)} at step 2\n" in out and "Traceback" not in err
+    assert (ckpt(cfg, 4).with_name("step_0000004.damaged") / "train_state.json").read_bytes() \
+        == damage
+    losses = {}
+    for record in (r for r in records(cfg) if r["kind"] == "train"):
+        losses.setdefault(record["step"], []).append(record["loss"])
+    assert losses[3][0] == losses[3][1] and losses[4][0] == losses[4][1]
+
+
 def test_rerunning_a_finished_run_trains_nothing_and_rewrites_nothing(small_data_dir, tmp_path):
     """The very end: the same command again after the last step says there is nothing to
     train (cli.NothingToDo: one line, exit status 0; tests/test_errors.py reads the line),
@@ -332,7 +384,8 @@ def test_a_resume_that_names_no_checkpoint_is_refused_with_its_fix(small_data_di
     """Checked even where out_dir holds checkpoints of its own (--resume=latest was taken
     there as a branch origin, never read, and the run went on from its own newest): other
     trainers' word for the newest names --resume=auto; a checkpoint's train_state.json names
-    its folder; a folder without one says so."""
+    its folder. A folder without one says so where it would be read (a branch's origin is
+    not, once out_dir has its own: README)."""
     cfg = micro_config(small_data_dir, str(tmp_path / "run"), ckpt_every=2, stop_at_step=4)
     train.main(cfg)
     base = cli_args(dataclasses.replace(cfg, stop_at_step=6))
@@ -342,9 +395,25 @@ def test_a_resume_that_names_no_checkpoint_is_refused_with_its_fix(small_data_di
                        "default); or name a checkpoint folder, out_dir/ckpt/step_XXXXXXX"),
             (str(state), f"error: resume={state} is the checkpoint's train_state.json; name the "
                          f"folder that holds it: --resume={ckpt(cfg, 4)}"),
-            (str(tmp_path), f"error: resume={tmp_path}: no train_state.json there")]:
+            (str(ckpt(cfg, 4) / "nowhere"), f"error: resume={ckpt(cfg, 4) / 'nowhere'}: "
+                                             f"no train_state.json there")]:
         assert run_cli(base + [f"--resume={resume}"], capsys).startswith(message)
     assert records(cfg)[-1]["step"] == 4  # nothing trained
+
+
+@pytest.mark.parametrize("knob, value", [("matrix_optimizer", "adamw"), ("seq_len", 32),
+                                         ("seed", 7), ("model.n_layers", 3)])
+def test_a_resume_may_not_change_what_the_checkpoint_fixes(knob, value, small_data_dir):
+    """README: the model's shape, seq_len, seed and matrix_optimizer cannot change on a
+    resume; the refusal names the knob and both values. (A changed matrix_optimizer would
+    otherwise meet another optimizer's state in DCP's load and read as a damaged checkpoint,
+    set aside.)"""
+    saved = micro_config(small_data_dir, "out")
+    resumed = config.apply_overrides(saved, {knob: value})
+    old = saved.model.n_layers if knob == "model.n_layers" else getattr(saved, knob)
+    with pytest.raises(ValueError, match=f"^resume: {knob} {old!r} → {value!r} cannot change "
+                                         f"on a resume"):
+        resume_lib.resume_changes(resumed, dataclasses.asdict(saved))
 
 
 def test_out_dir_that_is_a_file_is_refused(small_data_dir, tmp_path):

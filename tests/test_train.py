@@ -313,19 +313,33 @@ def test_bf16_on_a_cpu_resumes_bitwise_keeps_fp32_state_and_two_ranks_equal_one(
     (forced here: this machine may not). In one fresh process (accelerate fixes a process's
     precision at its first Accelerator): the run straight to step 8, and the run stopped at
     4 and resumed, which ends bitwise where the straight one does; the weights and both
-    optimizers' state stay fp32; the losses are not fp32's (autocast ran). 2 DDP ranks
-    equal the one process accumulating 2 micro-batches, to the fp32 test's tolerances."""
+    optimizers' state stay fp32; the losses are not fp32's (autocast ran); Muon's
+    Newton–Schulz runs in bf16, as train.setup builds it (seen by the iteration's own
+    input). 2 DDP ranks equal the one process accumulating 2 micro-batches, to the fp32
+    test's tolerances. Without a launcher there is no launch config to warn about; the
+    DDP launch's yaml says mixed_precision "no", and that is warned about."""
     straight = micro_config(small_data_dir, str(tmp_path / "straight"), mixed_precision="bf16")
     halves = dataclasses.replace(straight, out_dir=str(tmp_path / "halves"), stop_at_step=4)
     runs = [cli_args(c) for c in (straight, halves, dataclasses.replace(halves, stop_at_step=8))]
-    script = "import json, sys, train\nfor args in json.loads(sys.argv[1]): train.cli(args)"
-    done = subprocess.run([sys.executable, "-c", script, json.dumps(runs)], cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=300)
+    script = ("import json, sys, optim, train\n"
+              "seen, iterate = set(), optim.newton_schulz\n"
+              "def watched(G, steps=5, dtype=torch.float32):\n"
+              "    seen.add(str(G.to(dtype).dtype))\n"
+              "    return iterate(G, steps, dtype)\n"
+              "optim.newton_schulz = watched\n"
+              "for args in json.loads(sys.argv[1]): train.cli(args)\n"
+              "print('newton-schulz ran in', sorted(seen))\n")
+    done = subprocess.run([sys.executable, "-c", "import torch\n" + script, json.dumps(runs)],
+                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "precision bf16 (the config's mixed_precision" in done.stdout
+    assert "newton-schulz ran in ['torch.bfloat16']" in done.stdout
+    assert "launch config's mixed_precision" not in done.stdout  # there is none
     two = dataclasses.replace(straight, out_dir=str(tmp_path / "two"))
-    launch(two, processes=2)
+    ddp = launch(two, processes=2)
+    assert "warning: the launch config's mixed_precision=no is ignored: this run uses bf16" \
+        in ddp.stdout
     fp32 = micro_config(small_data_dir, str(tmp_path / "fp32"), stop_at_step=2)
     train.main(fp32)
 
