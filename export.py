@@ -39,7 +39,8 @@ earlier export's, or a file of that name), removes one of them that this export 
 write (modeling_stacklm.py, for a shape that needs none), and touches nothing else in the
 folder: what a user keeps there (lm-eval's results, a model card) stays.
 
-Imports from stacklm: checkpoint, cli, config, data, log and model: it composes them.
+Imports from stacklm: checkpoint, cli, config, data, log, model and shards: it composes
+them.
 """
 
 import dataclasses
@@ -51,14 +52,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-import checkpoint
 import data
-import log
-from cli import ArgumentParser, user_errors
 from config import StackConfig, parse_mixture
 from model import Transformer
+from plumbing import checkpoint, log, shards
+from plumbing.cli import ArgumentParser, user_errors
 
-MODELING_FILE = Path(__file__).resolve().parent / "hf_modeling_stacklm.py"
+MODELING_FILE = Path(__file__).resolve().parent / "plumbing" / "hf_modeling_stacklm.py"
 # The files each format writes: the only ones an export replaces or removes in its folder.
 STACKLM_FILES = ("model.pt", "config.json", "tokenizer.json", "provenance.json")
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -91,7 +91,7 @@ def export(out_dir, fmt: str = "stacklm", resume: str = "auto",
                   "trained_by": state["revision"], "exported_by": log.code_revision()}
     if fmt == "hf":
         out = write_hf(folder, weights, model_cfg, tokenizer,
-                       data.load_manifest(source)["eos_id"], provenance)
+                       shards.load_manifest(source)["eos_id"], provenance)
         remote = ", trust_remote_code=True" if needs_remote_code(model_cfg) else ""
         print(f"exported {ckpt} to {out} as {architecture(model_cfg)}; load it with "
               f"transformers' AutoModelForCausalLM.from_pretrained({str(out)!r}{remote})")
@@ -137,12 +137,12 @@ def trained_tokenizer(ckpt: Path, state: dict, data_dir: str, given: bool) -> st
     if given and not Path(data_dir).is_dir():
         raise FileNotFoundError(f"--data_dir {data_dir} does not exist; pass the folder the "
                                 f"data {ckpt} trained on ({trained_on}) was moved or copied to")
-    path = data.tokenizer_path(data_dir)  # the file matches data_dir's own manifest
-    manifest = data.load_manifest(data_dir)
+    path = shards.tokenizer_path(data_dir)  # the file matches data_dir's own manifest
+    manifest = shards.load_manifest(data_dir)
     if state["tokenizer_sha256"] is not None:
         same = manifest["tokenizer"]["sha256"] == state["tokenizer_sha256"]
     else:
-        same = data.fingerprint(manifest) == state.get("data_sha256")
+        same = shards.fingerprint(manifest) == state.get("data_sha256")
     if same:
         return path
     if given:

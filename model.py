@@ -32,9 +32,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from chunked_loss import fused_ce_z_loss
 from config import StackConfig
 from data import EOS_TOKEN
+from plumbing.chunked_loss import fused_ce_z_loss
 
 # ---------------------------------------------------------------------------------------
 # Normalisation and rotary position embedding
@@ -270,10 +270,11 @@ def reference_loss(logits, targets, z_loss: float, ignore_index: int = -100,
     targets that are not ignore_index and, for "mean", divided by their number; "none"
     keeps one number per target (N,), for scoring (downstream.py sums a choice's).
 
-    `Transformer.forward` calls it when model.ce_chunk_size is 0, as `tiny` runs. It needs
-    the whole (N, V) logits, 8 GiB in fp32 for one Stack-100M micro-batch (N = 32 × 2,048,
-    V = 32,768), and as much again for their gradient; chunked_loss.py's `fused_ce_z_loss`
-    computes the same number without them, and is the head whenever ce_chunk_size is set."""
+    `Transformer.forward` trains through it when model.ce_chunk_size is 0, as `tiny` does,
+    and scores with it chunk by chunk whatever the size. Training needs the whole (N, V)
+    logits, 8 GiB in fp32 for one Stack-100M micro-batch (N = 32 × 2,048, V = 32,768), and
+    as much again for their gradient; plumbing/chunked_loss.py's `fused_ce_z_loss` computes
+    the same number without them, and is the head whenever ce_chunk_size is set."""
     kept = targets != ignore_index
     if reduction == "none":  # each target's own (N,) numbers, 0 where ignored
         ce = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")
@@ -286,9 +287,10 @@ def reference_loss(logits, targets, z_loss: float, ignore_index: int = -100,
 
 
 def fp32_logits(hidden, weight):
-    """hidden (..., C) @ weight.T (V, C) -> (..., V) fp32 logits: the matmul itself in fp32
-    whatever autocast says (a bf16 one would round every logit to 8 bits of mantissa), and
-    with fp32 operands (under FSDP2's bf16 they arrive rounded, as the chunked head's do)."""
+    """hidden (..., C) @ weight.T (V, C) -> (..., V) fp32 logits: the matmul in fp32 whatever
+    autocast says (a bf16 one would round every logit to 8 bits of mantissa; on CUDA it runs
+    on TF32 tensor cores, launch.py's matmul precision "high"), and with fp32 operands (under
+    FSDP2's bf16 they arrive rounded, as the chunked head's do)."""
     with torch.autocast(hidden.device.type, enabled=False):
         return F.linear(hidden.float(), weight.float())
 
@@ -328,9 +330,10 @@ class Transformer(nn.Module):
           the first loss is ≈ ln V.
         - q_proj, k_proj, v_proj, gate_proj, up_proj: normal(0, s).
         - o_proj, down_proj, the two matrices of each block that write into the residual
-          stream: normal(0, s/√(2L)). There are 2L such writes, so the residual's variance
-          grows by about s² over the whole depth instead of by s² per layer (GPT-2 §2.3;
-          Megatron-LM's "scaled init", arXiv 1909.08053).
+          stream: normal(0, s/√(2L)). There are 2L such writes: each adds variance in
+          proportion to s²/(2L) rather than s², so the residual grows far more slowly with
+          depth than it would at s (GPT-2 §2.3; Megatron-LM's "scaled init", arXiv
+          1909.08053).
         - every RMSNorm gain (attn_norm, mlp_norm, q_norm, k_norm, the final norm): ones,
           so each norm starts as pure normalisation.
         """

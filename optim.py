@@ -108,8 +108,8 @@ class Muon(torch.optim.Optimizer):
     ns_dtype is the Newton–Schulz precision; None picks bf16 on GPUs (as Jordan et al.:
     the iteration tolerates it and tensor cores make it fast) and float32 on CPUs, where
     bf16 pays only on those that compute it in hardware: build_optimizers passes bf16 for
-    every bf16 run (on tiny's matrices, 2.7x faster than float32 on a CPU with
-    AVX512_BF16; emulated bf16 would be several times slower).
+    every bf16 run (faster than float32 on a CPU with bf16 arithmetic, docs/figures.md;
+    emulated bf16 would be slower).
 
     Same-shape matrices are bucketed once, when the optimizer is built; a GPU orthogonalises
     each bucket as one batched Newton–Schulz. Under FSDP2 (Shard(0) DTensor parameters)
@@ -168,9 +168,9 @@ class Muon(torch.optim.Optimizer):
 
     def _orthogonalize_bucket(self, updates, group) -> list[torch.Tensor]:
         """Newton–Schulz of same-shape updates. GPUs: one batched run, as kernel launches
-        dominate small matmuls. CPUs: matrix by matrix, as batching buys nothing there (on
-        one core, stacks of 8 tiny-preset or Stack-100M matrices ran 5–45% slower than a
-        loop), and each matrix's bits then do not depend on which others share its shape."""
+        dominate small matmuls. CPUs: matrix by matrix, as batching bought nothing there
+        (docs/figures.md), and each matrix's bits then do not depend on which others share
+        its shape."""
         if updates and updates[0].is_cuda:
             return list(self._orthogonalize(torch.stack(updates), group))
         return [self._orthogonalize(update, group) for update in updates]

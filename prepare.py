@@ -33,10 +33,10 @@ Safe. Everything is written into `<out>.tmp` and renamed to `<out>` when complet
 interrupted run leaves no directory that data.py would read, and a prepared directory (or
 the source folder itself) is never written into: a rerun there is refused.
 
-Imports from stacklm: data (the format it writes: the EOS token, the file names, the format
-version, the token dtype rule; and the --verify check), cli (the one-line errors) and
-checkpoint (set_aside: a built-in corpus it cannot use is renamed, as a damaged checkpoint
-is).
+Imports from stacklm: data (the EOS token), shards (the format it writes: the file names,
+the format version, the token dtype rule; and the --verify check), cli (the one-line
+errors) and checkpoint (set_aside: a built-in corpus it cannot use is renamed, as a damaged
+checkpoint is).
 """
 
 import collections
@@ -58,10 +58,11 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
-from checkpoint import set_aside
-from cli import ArgumentParser, user_errors
-from data import (EOS_TOKEN, FORMAT_VERSION, MANIFEST, TOKENIZER_FILE, VAL_KEYS_FILE,
-                  token_dtype, verify)
+from data import EOS_TOKEN
+from plumbing.checkpoint import set_aside
+from plumbing.cli import ArgumentParser, user_errors
+from plumbing.shards import (FORMAT_VERSION, MANIFEST, TOKENIZER_FILE, VAL_KEYS_FILE, token_dtype,
+                             verify)
 
 DEFAULT_SHARD_TOKENS = 2**26  # 128 MiB of uint16 per file
 DEFAULT_VAL_FRACTION = 0.01  # the built-in corpus's too (builtin_val_documents relies on it)

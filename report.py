@@ -43,7 +43,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 import config
-from cli import ArgumentParser, user_errors
+from plumbing.cli import ArgumentParser, user_errors
 
 REFERENCE = Path(__file__).resolve().parent / "reference" / "tiny"
 # Knobs that change nothing a run computes before its sample, or only which seed it draws:

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from cli import ArgumentParser, user_errors
 from config import StackConfig
 from model import TEMPERATURE, TOP_K, Transformer, complete
+from plumbing.cli import ArgumentParser, user_errors
 
 # What sampling needs of an export (export.py also writes provenance.json, for people).
 EXPORT_FILES = ("model.pt", "config.json", "tokenizer.json")

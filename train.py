@@ -13,9 +13,10 @@ lines, however the run reaches it. accelerate supplies the launch, DDP, bf16 aut
 the accumulation's gradient sync; train.py shards for FSDP2 itself (`shard_model`).
 
 Imports from stacklm: checkpoint, cli, config, data, downstream, launch, log, model, optim,
-preflight and resume: it composes them. Their plumbing stays there: what a run checks before
-any work (preflight), how it meets its launcher (launch), which checkpoint it continues
-(resume), a checkpoint's files (checkpoint), the log (log).
+overrides, preflight, resume and shards: it composes them. config, data, model and optim
+are the lesson beside it; the others are plumbing/, where their plumbing stays: what a run
+checks before any work (preflight), how it meets its launcher (launch), which checkpoint it
+continues (resume), a checkpoint's files (checkpoint), the log (log).
 """
 
 import dataclasses
@@ -32,18 +33,13 @@ from tokenizers import Tokenizer
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-import checkpoint
 import config
 import data
-import downstream
-import launch
-import log
 import optim
-import preflight
-import resume
-from cli import is_rank0, user_errors
 from config import TrainConfig
 from model import Transformer, complete
+from plumbing import checkpoint, downstream, launch, log, overrides, preflight, resume, shards
+from plumbing.cli import is_rank0, user_errors
 
 
 @dataclasses.dataclass
@@ -56,8 +52,9 @@ class Run:
     loader: data.MixtureLoader
     stages: list[data.Stage]  # the data stages: which sources, by weight, from which step
     manifests: dict[str, dict]  # each source's manifest.json
-    start: log.Start  # what this start is: hardware, code, data plan, evaluated sources
+    eval_sources: dict[str, float]  # the sources evaluated, and their shares of val_loss
     tasks: list[downstream.Task]  # the multiple-choice tasks scored beside the val loss
+    facts: log.RunFacts  # what the banner and metrics.jsonl's start record say of this start
     step: int = 0  # optimizer steps taken, advanced by the loop
     tokens_seen: int = 0  # tokens trained on, all ranks together
     skipped_steps: int = 0  # updates skipped for a non-finite loss or grad norm, in all
@@ -71,7 +68,7 @@ class Run:
                 "skipped_steps": self.skipped_steps, "loader": self.loader.state_dict(),
                 "world_size": self.accelerator.num_processes, "stages": self.stages,
                 "tokenizer_sha256": first["tokenizer"]["sha256"],
-                "revision": self.start.revision,  # the code that trained it
+                "revision": self.facts.revision,  # the code that trained it
                 "config": dataclasses.asdict(self.cfg)}
 
     def load_state_dict(self, state: dict):
@@ -93,7 +90,7 @@ def main(cfg: TrainConfig, force: bool = False) -> dict:
         with log.MetricsLogger(cfg, run.accelerator.is_main_process, run.accelerator.device,
                                run.accelerator.num_processes, log.model_flops(cfg),
                                start_step=run.step) as logger:
-            logger.log_start(log.start_record(cfg, run.start, run.step, run.tokens_seen))
+            logger.log_start(log.start_record(cfg, run.facts, run.step, run.tokens_seen))
             metrics = train(run, stop, logger)
             if run.step == cfg.stop_at_step:
                 metrics["sample"] = sample_text(cfg, run.accelerator, run.model)
@@ -154,21 +151,21 @@ def setup(cfg: TrainConfig, force: bool = False) -> Run:
         loader = data.MixtureLoader(plan.stages, cfg.seq_len, cfg.micro_batch_size,
                                     accelerator.process_index, accelerator.num_processes,
                                     seed=cfg.seed)
-    model = build_model(cfg, plan.start.hardware.compiled)
+    model = build_model(cfg, plan.compile)
     bf16 = accelerator.mixed_precision == "bf16"
     if plan.sharded:  # before the optimizers are built, so they hold the sharded parameters
         model = shard_model(model, accelerator.device, bf16,
                             launch.reshard_after_forward(os.environ))
     optimizers = optim.build_optimizers(model, cfg, accelerator.mixed_precision)
-    accelerator.print(log.banner(cfg, plan.start, model, optimizers, optim.schedule_summary(cfg),
+    accelerator.print(log.banner(cfg, plan.facts, model, optimizers, optim.schedule_summary(cfg),
                                  log.model_flops(cfg)))
     accelerator.print("\n".join(plan.warnings), end="\n" if plan.warnings else "")
     if not plan.sharded:  # DDP (several ranks) and bf16 autocast; a sharded model needs neither
         model, *prepared = accelerator.prepare(model, *optimizers.named.values())
         optimizers = optim.Optimizers(dict(zip(optimizers.named, prepared, strict=True)))
     run = Run(cfg, accelerator, model, optimizers, loader, plan.stages, plan.manifests,
-              plan.start, plan.tasks)
-    run.start.resumed_from = resume.resume(run, found)  # None: a fresh start
+              plan.eval_sources, plan.tasks, plan.facts)
+    run.facts.resumed_from = resume.resume(run, found)  # None: a fresh start
     return run
 
 
@@ -203,8 +200,8 @@ def train_step(run: Run, stop: launch.StopFlag) -> StepResult:
     t0 = time.perf_counter()
     # Every micro-batch is read before the first forward: the global token count is the
     # denominator of each one's loss. That gives up overlapping the next read with this
-    # compute (nanoGPT prefetches), which costs little: the loader reads ~70M tokens/s, over
-    # 100× what one GPU trains.
+    # compute (nanoGPT prefetches), which costs little: the loader reads far faster than a
+    # GPU trains (docs/figures.md, the loader's row).
     batches = [next(run.loader) for _ in range(accum)]  # accum × (B, T) per rank
     n_tokens = sum(int((b["targets"] != -100).sum()) for b in batches)
     n_tokens = accelerator.reduce(torch.tensor(n_tokens, device=accelerator.device), "sum")
@@ -250,13 +247,13 @@ def evaluate(run: Run, token_bytes: torch.Tensor) -> dict:
     and, when due, the downstream tasks' accuracies (`acc/<task>`, `acc_norm/<task>`)."""
     metrics = downstream.score(run.tasks, run.model, run.accelerator, run.cfg.micro_batch_size) \
         if downstream.due(run.cfg, run.step) else {}
-    for source in run.start.evaluated:
+    for source in run.eval_sources:
         result = val_loss(run.cfg, run.accelerator, run.model, token_bytes, source)
         metrics.update({f"{k}/{source}": v for k, v in result.items()})
     run.new_sources = False
     for key in ("val_loss", "val_bpb"):
         metrics[key] = sum(weight * metrics[f"{key}/{source}"]
-                           for source, weight in run.start.evaluated.items() if weight)
+                           for source, weight in run.eval_sources.items() if weight)
     return metrics
 
 
@@ -291,8 +288,9 @@ def val_loss(cfg: TrainConfig, accelerator, model, token_bytes, data_dir) -> dic
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
-    """A batch's (B, T) tensors on `device`, through pinned memory for a GPU (as nanoGPT): only
-    from there does a non_blocking copy overlap the GPU's work; from ordinary memory it waits."""
+    """A batch's (B, T) tensors on `device`, through pinned memory for a GPU (as nanoGPT): from
+    there a non_blocking copy returns at once and the host goes on queueing work; from
+    ordinary memory the host waits for the copy."""
     if device.type != "cuda":
         return batch
     return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
@@ -339,7 +337,7 @@ def save_checkpoint(run: Run, logger: log.MetricsLogger):
     bitwise resume needs; then the log records it (and redraws the run report)."""
     t0 = time.perf_counter()
     # Never pruned: where a stage or the decay leg begins, the branch points of anneals.
-    keep = {stage.start for stage in run.stages} | {config.wsd_phases(run.cfg).decay_start}
+    keep = {stage.first_step for stage in run.stages} | {config.wsd_phases(run.cfg).decay_start}
     checkpoint.save(run.accelerator, run.accelerator.unwrap_model(run.model),
                     list(run.optimizers.named.values()), run.state_dict(), run.cfg.out_dir,
                     run.cfg.keep_last_ckpts, keep)
@@ -349,7 +347,7 @@ def save_checkpoint(run: Run, logger: log.MetricsLogger):
 def sample_text(cfg: TrainConfig, accelerator, model) -> str:
     """A completion of cfg.sample_prompt, on every rank (FSDP needs all); seeded, with the
     training RNG state put back afterwards, so sampling never changes a resumed run."""
-    tokenizer = Tokenizer.from_file(data.tokenizer_path(config.parse_mixture(cfg.data_dir)[0][0]))
+    tokenizer = Tokenizer.from_file(shards.tokenizer_path(config.parse_mixture(cfg.data_dir)[0][0]))
     with torch.random.fork_rng():  # every torch generator is put back on exit
         torch.manual_seed(cfg.seed)
         return complete(accelerator.unwrap_model(model), tokenizer, cfg.sample_prompt,
@@ -389,7 +387,7 @@ def cli(argv=None):
     default = "stack100m" if torch.cuda.is_available() else "tiny"
     with launch.leaving_process_group(), \
             user_errors("--debug" in argv, USER_ERRORS, launch.StopFlag.QUIT):
-        cfg, args = config.parse_args(argv, default_preset=default)
+        cfg, args = overrides.parse_args(argv, default_preset=default)
         if args.preset is None and default == "tiny" and is_rank0():
             print("no CUDA GPU found: running the `tiny` preset on the CPU "
                   "(pass --preset stack100m to insist)")

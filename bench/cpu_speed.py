@@ -38,14 +38,12 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import cli  # noqa: E402
 import config  # noqa: E402
 import data  # noqa: E402
-import launch  # noqa: E402
-import log  # noqa: E402
 import optim  # noqa: E402
 import prepare  # noqa: E402
 import train  # noqa: E402
+from plumbing import cli, launch, log  # noqa: E402
 
 
 class GPT(nn.Module):

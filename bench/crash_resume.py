@@ -29,10 +29,8 @@ import torch.distributed.checkpoint as dcp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import cli  # noqa: E402
-import checkpoint  # noqa: E402
-import config  # noqa: E402
 from model import Transformer  # noqa: E402
+from plumbing import checkpoint, cli, overrides  # noqa: E402
 
 
 def flags(out_dir: str, steps: int) -> list[str]:
@@ -61,7 +59,7 @@ def logged_steps(out_dir: str) -> int:
 
 def same_weights(a: str, b: str, steps: int) -> bool:
     """The two runs' final model weights, read from their newest checkpoints, bit for bit."""
-    cfg = config.parse_args(flags(a, steps))[0]
+    cfg = overrides.parse_args(flags(a, steps))[0]
     loaded = []
     for out in (a, b):
         sd = {"model": Transformer(cfg.model).state_dict()}

@@ -28,11 +28,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import cli  # noqa: E402
 import config  # noqa: E402
-import downstream  # noqa: E402
-import launch
 import train  # noqa: E402
+from plumbing import cli, downstream, launch, overrides  # noqa: E402
 
 SUITE_CHOICES = {"hellaswag": 4, "arc_easy": 5, "arc_challenge": 5, "piqa": 2}
 RANKS = 8  # the reference run's launch (accelerate_configs/fsdp2.yaml)
@@ -59,7 +57,7 @@ def tiny_share(cfg: config.TrainConfig, step_s: float, score_s: float) -> dict:
 
 def measure_tiny(steps: int, rounds: int) -> dict:
     with tempfile.TemporaryDirectory() as out, launch.StopFlag() as stop:
-        cfg = config.apply_overrides(config.tiny(), {"out_dir": out, "write_report": False,
+        cfg = overrides.apply_overrides(config.tiny(), {"out_dir": out, "write_report": False,
                                                      "resume": "none"})
         run = train.setup(cfg)
         train.train_step(run, stop)  # warm-up, not timed

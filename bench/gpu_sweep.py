@@ -41,15 +41,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import cli  # noqa: E402
 import config  # noqa: E402
 import data  # noqa: E402
-import launch
 import optim  # noqa: E402
 import prepare  # noqa: E402
-import log  # noqa: E402
 import train  # noqa: E402
 from model import flops_per_token  # noqa: E402
+from plumbing import cli, launch, log, overrides  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +112,7 @@ def main(argv=None):
     for variant in chosen:
         left = args.budget_s - (time.perf_counter() - start)
         if left < args.min_variant_s:
-            row = failed_row(variant, config.apply_overrides(base, variant.overrides),
+            row = failed_row(variant, overrides.apply_overrides(base, variant.overrides),
                              f"skipped: {left:.0f} s of --budget_s left", 0.0)
         else:
             row = run_variant(variant, base, steps, warmup, args, left)
@@ -160,7 +158,7 @@ def base_config(args) -> tuple[config.TrainConfig, int, int]:
     at a shape whose micro-batches are 32 and 16 sequences as on the GPU, on the CPU, with
     the chunked loss head Stack-100M runs (in chunks of 256 of a micro-batch's 512 rows)."""
     if args.dry_run:
-        cfg = config.apply_overrides(config.tiny(), {
+        cfg = overrides.apply_overrides(config.tiny(), {
             "seq_len": 16, "micro_batch_size": 32, "global_batch_tokens": 1024,
             "mixed_precision": "no", "compile_model": "false", "model.ce_chunk_size": 256,
             "model.n_layers": 1, "model.d_model": 64, "model.intermediate": 176})
@@ -170,7 +168,7 @@ def base_config(args) -> tuple[config.TrainConfig, int, int]:
         steps, warmup = args.steps or 30, 3 if args.warmup is None else args.warmup
     # A short linear warmup then the peak: every variant sees the same learning rates.
     total = steps + warmup
-    cfg = config.apply_overrides(cfg, {"total_steps": total, "stop_at_step": total,
+    cfg = overrides.apply_overrides(cfg, {"total_steps": total, "stop_at_step": total,
                                        "warmup_steps": max(1, total // 4),
                                        "decay_fraction": 0.0, "resume": "none"})
     return cfg, steps, warmup
@@ -179,7 +177,7 @@ def base_config(args) -> tuple[config.TrainConfig, int, int]:
 def run_variant(variant: Variant, base, steps: int, warmup: int, args, left: float) -> dict:
     """Build, train and measure one variant; any failure becomes the row's error."""
     t0 = time.perf_counter()
-    cfg = config.apply_overrides(base, variant.overrides)
+    cfg = overrides.apply_overrides(base, variant.overrides)
     free_memory()
     previous = signal.signal(signal.SIGALRM, alarm)
     try:
@@ -214,7 +212,7 @@ def measure(variant: Variant, cfg, steps: int, warmup: int, dry_run: bool, t0: f
                                     seed=cfg.seed)
     run = train.Run(cfg=cfg, accelerator=accelerator, model=model, optimizers=optimizers,
                     loader=WithoutDocumentIds(loader) if variant.drop_seq_ids else loader,
-                    stages=[], manifests={}, start=None, tasks=[])
+                    stages=[], manifests={}, eval_sources={}, tasks=[], facts=None)
     try:
         with launch.StopFlag() as stop:
             for step in range(warmup + steps):

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
-import cli  # noqa: E402
 import data  # noqa: E402
 import prepare  # noqa: E402
+from plumbing import cli, shards  # noqa: E402
 
 B, T = 32, 2048
 
@@ -85,7 +85,7 @@ def linked_copy(data_dir: str, target: Path) -> str:
     """A directory of symbolic links to data_dir's files: another source, the same bytes."""
     target.mkdir()
     for path in Path(data_dir).iterdir():
-        if path.name != data.CHECKED:
+        if path.name != shards.CHECKED:
             (target / path.name).symlink_to(path.resolve())
     return str(target)
 

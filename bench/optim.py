@@ -31,11 +31,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import cli  # noqa: E402
 import train  # noqa: E402
 from config import TrainConfig  # noqa: E402
 from model import Transformer  # noqa: E402
 from optim import build_optimizers  # noqa: E402
+from plumbing import cli  # noqa: E402
 
 
 def fastest_step(optimizer, repeats: int) -> float:

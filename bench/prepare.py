@@ -38,9 +38,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
-import cli  # noqa: E402
 import prepare  # noqa: E402
 from data import EOS_TOKEN  # noqa: E402
+from plumbing import cli  # noqa: E402
 
 TARGET_TOKENS = 20e9  # the reference run's total_steps × global batch, rounded
 NODE_CORES = 32

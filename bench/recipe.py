@@ -55,10 +55,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import cli  # noqa: E402
 import config  # noqa: E402
 import train  # noqa: E402
 from model import Transformer  # noqa: E402
+from plumbing import cli, overrides  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -127,7 +127,7 @@ def run_config(args, arm: str, lr: float, adamw_lr: float | None, seed: int,
               "eval_tokens": args.eval_tokens, "log_every": args.log_every,
               "ckpt_every": steps, "keep_last_ckpts": 1, "resume": "none",
               "sample_tokens": 8, "seed": seed}
-    return config.apply_overrides(tiny, {**shared, **make(lr, steps, adamw_lr)})
+    return overrides.apply_overrides(tiny, {**shared, **make(lr, steps, adamw_lr)})
 
 
 def train_once(cfg: config.TrainConfig) -> dict:

@@ -30,9 +30,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from anywhere
-import cli  # noqa: E402
 import config  # noqa: E402
 import report  # noqa: E402
+from plumbing import cli  # noqa: E402
 
 
 def synthetic_log(out_dir: Path, steps: int, log_every: int, eval_every: int,

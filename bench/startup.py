@@ -10,7 +10,7 @@ each rank count:
   first     no record yet: rank 0 hashes the corpus, the others trust its record
   restart   the record is there: nobody hashes
   every     the check as it was before the record: every rank hashes every shard, all at
-            once (data.check_shards with remember=False, no main_process_first)
+            once (shards.check_shards with remember=False, no main_process_first)
 Seconds until the slowest rank's loader is ready, and the bytes hashed by all ranks. The
 shards sit in the page cache here: on shared storage the bytes read cost more than the
 hashing measured.
@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
-import cli  # noqa: E402
 import data  # noqa: E402
+from plumbing import cli, shards  # noqa: E402
 
 SHARD_MB = 64
 
@@ -47,11 +47,11 @@ def make_data(root: Path, megabytes: int):
         (root / name).write_bytes(tokens.tobytes())
         shards.append({"file": name, "tokens": len(tokens),
                        "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()})
-    manifest = {"format_version": data.FORMAT_VERSION, "vocab_size": 32768, "eos_id": 0,
+    manifest = {"format_version": shards.FORMAT_VERSION, "vocab_size": 32768, "eos_id": 0,
                 "dtype": "uint16", "tokenizer": {"file": "tokenizer.json", "sha256": ""},
                 "splits": {"train": {"tokens": sum(s["tokens"] for s in shards),
                                      "shards": shards}}}
-    (root / data.MANIFEST).write_text(json.dumps(manifest))
+    (root / shards.MANIFEST).write_text(json.dumps(manifest))
 
 
 def worker(data_dir: str, mode: str, out: str):
@@ -60,14 +60,14 @@ def worker(data_dir: str, mode: str, out: str):
 
     accelerator = Accelerator(cpu=True)
     hashed = []
-    real_scan = data.scan_shard
-    data.scan_shard = lambda path, dtype: (hashed.append(path.stat().st_size),
+    real_scan = shards.scan_shard
+    shards.scan_shard = lambda path, dtype: (hashed.append(path.stat().st_size),
                                            real_scan(path, dtype))[1]
     accelerator.wait_for_everyone()
     start = time.perf_counter()
     if mode == "every":
-        manifest = data.load_manifest(data_dir)
-        data.check_shards(data_dir, manifest, data.shard_paths(data_dir, manifest, "train"),
+        manifest = shards.load_manifest(data_dir)
+        shards.check_shards(data_dir, manifest, shards.shard_paths(data_dir, manifest, "train"),
                           remember=False)
     else:
         with accelerator.main_process_first():
@@ -108,7 +108,7 @@ def main():
         data_dir.mkdir()
         make_data(data_dir, args.mb)
         for ranks in map(int, args.ranks.split(",")):
-            (data_dir / data.CHECKED).unlink(missing_ok=True)
+            (data_dir / shards.CHECKED).unlink(missing_ok=True)
             rows += [launch(data_dir, mode, ranks) for mode in ("first", "restart", "every")]
     print(json.dumps({"corpus_mb": args.mb, "runs": rows}))
 

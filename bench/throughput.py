@@ -22,13 +22,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import cli  # noqa: E402
 import config  # noqa: E402
 import data  # noqa: E402
-import launch  # noqa: E402
 import optim  # noqa: E402
 import prepare  # noqa: E402
 import train  # noqa: E402
+from plumbing import cli, launch, overrides  # noqa: E402
 
 
 def loop_tokens_per_s(cfg, warmup: int) -> float:
@@ -76,14 +75,14 @@ def main():
     total = args.warmup + args.steps
     loop, bare = [], []
     with tempfile.TemporaryDirectory() as out:
-        cfg = config.apply_overrides(config.PRESETS[args.preset](), {
+        cfg = overrides.apply_overrides(config.PRESETS[args.preset](), {
             "total_steps": total, "stop_at_step": total, "warmup_steps": 1,
             "decay_fraction": 0.0, "log_every": args.warmup, "eval_every": 10**9,
             "ckpt_every": 10**9, "resume": "none", "sample_tokens": 1})
         prepare.ensure_builtin([cfg.data_dir], cfg.model.vocab_size)
         for round_ in range(args.rounds):
             bare.append(bare_tokens_per_s(cfg, args.steps, args.warmup))
-            run_cfg = config.apply_overrides(cfg, {"out_dir": f"{out}/{round_}"})
+            run_cfg = overrides.apply_overrides(cfg, {"out_dir": f"{out}/{round_}"})
             loop.append(loop_tokens_per_s(run_cfg, args.warmup))
     loop_median, bare_median = statistics.median(loop), statistics.median(bare)
     print(json.dumps({"bench": "throughput", "preset": args.preset,

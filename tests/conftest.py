@@ -13,6 +13,7 @@ import pytest
 import config
 import prepare
 from data import EOS_TOKEN
+from plumbing.overrides import apply_overrides
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +40,7 @@ def micro_config(data_dir: str, out_dir: str, **overrides) -> config.TrainConfig
         eval_every=4, eval_tokens=1024, ckpt_every=4, keep_last_ckpts=5, compile_model="false",
         # fp32 on any CPU: auto would pick bf16 on one that computes it natively
         mixed_precision="no", sample_tokens=8, write_report=False)
-    return config.apply_overrides(cfg, overrides)
+    return apply_overrides(cfg, overrides)
 
 
 # README's FSDP2 tolerances against one process (test_fsdp.py, test_cluster.py). The real

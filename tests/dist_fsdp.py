@@ -43,13 +43,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import checkpoint  # noqa: E402
 import data  # noqa: E402
-import launch
-import log  # noqa: E402
 import optim  # noqa: E402
 import train  # noqa: E402
 from conftest import micro_config  # noqa: E402
+from plumbing import checkpoint, launch, log, shards  # noqa: E402
 
 STEPS = 3
 
@@ -104,10 +102,10 @@ def make_run(cfg, data_dir: str) -> train.Run:
     stages = [data.Stage(0, ((data_dir, 1.0),))]
     loader = MaskedLoader(stages, cfg.seq_len, cfg.micro_batch_size, accelerator.process_index,
                           accelerator.num_processes, seed=cfg.seed)
-    start = log.Start(log.hardware(accelerator, True, (False, "test"), "test"), "test", [],
-                      {data_dir: 1.0}, {data_dir: 1})
+    facts = log.RunFacts(log.hardware(accelerator, True, (False, "test"), "test"), "test", [],
+                         {data_dir: 1.0}, {data_dir: 1})
     return train.Run(cfg, accelerator, model, optimizers, loader, stages,
-                     {data_dir: data.load_manifest(data_dir)}, start, tasks=[])
+                     {data_dir: shards.load_manifest(data_dir)}, {data_dir: 1.0}, [], facts)
 
 
 def train_steps(run: train.Run) -> list[train.StepResult]:

@@ -9,7 +9,7 @@ PLAN.json holds TrainConfigs (as dataclasses.asdict gives them), each taken in t
                its share per rank: the refusal's message, and with force=True, the error
                setup stops at next (its data_dir does not exist).
   run          train.main on a data_dir no process has checked (no checked.json), with a
-               downstream task: the shard files this rank hashed (data.scan_shard, slowed
+               downstream task: the shard files this rank hashed (shards.scan_shard, slowed
                down to a real corpus's pace), and of the first scoring, this rank's vector
                of log-likelihoods before the ranks' sum and the number of forwards it ran.
   evaluations  train.val_loss of each, on a model seeded with 0.
@@ -27,10 +27,10 @@ from accelerate import Accelerator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import data  # noqa: E402
-import downstream  # noqa: E402
 import train  # noqa: E402
 from config import TrainConfig  # noqa: E402
 from model import Transformer  # noqa: E402
+from plumbing import downstream, shards  # noqa: E402
 
 
 def refusals(cfg: TrainConfig) -> dict:
@@ -46,7 +46,7 @@ def refusals(cfg: TrainConfig) -> dict:
 def run(cfg: TrainConfig) -> dict:
     """train.main, watched: the shard files this process hashes, and the first scoring."""
     hashed, scorings = [], []
-    scan, loglikelihoods = data.scan_shard, downstream.loglikelihoods
+    scan, loglikelihoods = shards.scan_shard, downstream.loglikelihoods
 
     def counting_scan(path, dtype):
         hashed.append(path.name)
@@ -62,11 +62,11 @@ def run(cfg: TrainConfig) -> dict:
         hook.remove()
         scorings.append({"lls": lls.tolist(), "forwards": len(forwards)})
         return lls
-    data.scan_shard, downstream.loglikelihoods = counting_scan, watched
+    shards.scan_shard, downstream.loglikelihoods = counting_scan, watched
     try:
         train.main(cfg)
     finally:
-        data.scan_shard, downstream.loglikelihoods = scan, loglikelihoods
+        shards.scan_shard, downstream.loglikelihoods = scan, loglikelihoods
     return {"hashed": sorted(hashed), "scoring": scorings[0]}
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import config
+from plumbing import overrides
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
@@ -67,9 +68,9 @@ def test_gpu_check_uses_existing_knobs_and_scripts():
                        if not line.lstrip().startswith("#"))  # commands, not comments
     keys = set(re.findall(r"--([a-z_.]+)=", script)) - {"preset"}
     assert {"out_dir", "stop_at_step", "compile_model"} <= keys
-    overrides = {key: "1" for key in keys if key not in ("out_dir", "resume", "compile_model")}
-    config.apply_overrides(config.stack100m(), {**overrides, "out_dir": "x", "resume": "none",
-                                                "compile_model": "false"})
+    knobs = {key: "1" for key in keys if key not in ("out_dir", "resume", "compile_model")}
+    overrides.apply_overrides(config.stack100m(), {**knobs, "out_dir": "x", "resume": "none",
+                                                   "compile_model": "false"})
     for path in re.findall(r"python ([\w/]+\.py)", script):
         assert (REPO / path).exists(), path
     # gpu_sweep.py's one-call recipe: gpu_check.sh takes --quick, gpu_sweep.py its flags.

@@ -9,16 +9,15 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-import checkpoint
 import config
-import launch
 import optim
 from model import Transformer
+from plumbing import checkpoint, launch, overrides
 
 
 def small_run():
     """A 2-layer model with both optimizers after one step, so they hold state."""
-    cfg = config.apply_overrides(config.tiny(), {"model.n_layers": 2, "model.d_model": 64,
+    cfg = overrides.apply_overrides(config.tiny(), {"model.n_layers": 2, "model.d_model": 64,
                                                  "model.n_heads": 4, "model.intermediate": 128,
                                                  "model.vocab_size": 256})
     torch.manual_seed(0)

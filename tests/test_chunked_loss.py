@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import model as M
-from chunked_loss import fused_ce_z_loss
+from plumbing.chunked_loss import fused_ce_z_loss
 
 
 def full_logits_loss(hidden, weight, targets, z_loss, reduction="mean") -> M.Loss:

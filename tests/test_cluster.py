@@ -16,14 +16,13 @@ import torch
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils.launch import prepare_multi_gpu_env
 
-import checkpoint
 import config
-import launch
 import train
 from conftest import LOSS_RTOL, WEIGHT_TOL, micro_config
 from test_resume import MakesDir
 from test_train import (REPO, assert_weights, checkpoint_weights, cli_args, free_port,
                         launch_command, train_records, watched_train_py)
+from plumbing import checkpoint, launch, overrides
 
 JOB_ID = "4242"
 
@@ -297,7 +296,7 @@ def test_micro_batch_fits_any_world_size():
     cfg = config.stack100m()
     expected = {1: 32, 2: 32, 8: 32, 16: 16, 32: 8, 64: 4, 256: 1, 24: None, 512: None}
     assert {world: cfg.fitting_micro_batch(world) for world in expected} == expected
-    assert config.apply_overrides(cfg, {"micro_batch_size": 16}).fitting_micro_batch(2) == 16
+    assert overrides.apply_overrides(cfg, {"micro_batch_size": 16}).fitting_micro_batch(2) == 16
 
 
 def test_slurm_script_passes_arguments_whole(tmp_path):
@@ -458,7 +457,7 @@ def test_a_sigterm_during_setup_stops_the_run_after_its_first_step(small_data_di
     """README: a signal during setup (hashing shards, building the model: minutes at scale)
     stops the run after its first step, saved. A handler of the test's own catches any
     SIGTERM the run's handler does not take."""
-    import log
+    from plumbing import log
     revision, escaped = log.code_revision, []
 
     def interrupted():

@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 
 import config
-from config import StackConfig, TrainConfig, apply_overrides, parse_args
+from config import StackConfig, TrainConfig
+from plumbing.overrides import apply_overrides, parse_args
 
 
 def test_stack100m_preset_is_the_reference_run():

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 import data
 from conftest import copy_of, documents_of, stream
 from data import PackedShardLoader
+from plumbing import shards
 
 T = 16  # loader tests use short windows so an epoch is a few hundred of them
 
@@ -172,14 +173,14 @@ def test_uint32_shards_give_the_same_batches(prepared, tmp_path):
             shard["sha256"] = hashlib.sha256(raw).hexdigest()
     manifest["dtype"] = "uint32"
     (wide / "manifest.json").write_text(json.dumps(manifest))
-    data.verify(wide)
+    shards.verify(wide)
     narrow_loader = PackedShardLoader(prepared, "train", T, 4)
     wide_loader = PackedShardLoader(wide, "train", T, 4)  # other bytes: another shuffle
     for first in range(0, 20, 4):
         windows = np.arange(first, first + 4)
         narrow, wide_batch = narrow_loader.batch(windows), wide_loader.batch(windows)
         assert all(torch.equal(narrow[k], wide_batch[k]) for k in narrow)
-    assert data.token_dtype(65536) == np.uint16 and data.token_dtype(65537) == np.uint32
+    assert shards.token_dtype(65536) == np.uint16 and shards.token_dtype(65537) == np.uint32
 
 
 # ---------------------------------------------------------------------------------------
@@ -188,8 +189,8 @@ def test_uint32_shards_give_the_same_batches(prepared, tmp_path):
 
 def test_token_bytes_sum_to_the_utf8_length_of_each_document(prepared):
     sizes = data.token_bytes(prepared)
-    manifest = data.load_manifest(prepared)
-    tokenizer = Tokenizer.from_file(data.tokenizer_path(prepared))
+    manifest = shards.load_manifest(prepared)
+    tokenizer = Tokenizer.from_file(shards.tokenizer_path(prepared))
     assert sizes.shape == (manifest["vocab_size"],) and sizes.dtype == torch.int64
     assert sizes[manifest["eos_id"]] == 0
     for doc in documents_of(stream(prepared, "train"), manifest["eos_id"])[:10]:
@@ -205,18 +206,18 @@ def test_missing_data_dir_suggests_the_prepare_command(tmp_path):
     with pytest.raises(FileNotFoundError, match="python prepare.py --vocab_size 4096"):
         PackedShardLoader(tmp_path / "stdlib-4k", "train", T, 1)
     with pytest.raises(FileNotFoundError, match="python prepare.py --source"):
-        data.load_manifest(tmp_path / "mine")
+        shards.load_manifest(tmp_path / "mine")
 
 
 def test_corrupt_or_foreign_manifest_is_refused(prepared, tmp_path):
     bad = copy_of(prepared, tmp_path)
     (bad / "manifest.json").write_text("{truncated")
     with pytest.raises(ValueError, match="manifest.json is unreadable"):
-        data.load_manifest(bad)
-    manifest = data.load_manifest(prepared)
+        shards.load_manifest(bad)
+    manifest = shards.load_manifest(prepared)
     (bad / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
     with pytest.raises(ValueError, match="format_version 99"):
-        data.load_manifest(bad)
+        shards.load_manifest(bad)
 
 
 def test_shard_size_mismatch_and_truncation(prepared, tmp_path):
@@ -254,7 +255,7 @@ def rewrite_shard(data_dir: Path, name: str, tokens: np.ndarray):
 
 
 def test_loader_refuses_a_shard_changed_after_prepare(prepared, tmp_path):
-    data.verify(prepared)  # the prepared directory passes as written
+    shards.verify(prepared)  # the prepared directory passes as written
     bad = copy_of(prepared, tmp_path)
     flip_bytes(bad / "train_00001.bin", 100, 64)  # same size: the size check cannot tell
     message = (r"train_00001.bin: sha256 does not match manifest.json \(the file changed "
@@ -263,12 +264,12 @@ def test_loader_refuses_a_shard_changed_after_prepare(prepared, tmp_path):
         PackedShardLoader(bad, "train", T, 1)
     PackedShardLoader(bad, "val", T, 1)  # only the split opened is hashed
     with pytest.raises(ValueError, match=message):
-        data.verify(bad)
+        shards.verify(bad)
 
 
 def test_loader_refuses_ids_beyond_the_vocabulary(prepared, tmp_path):
     bad = copy_of(prepared, tmp_path)
-    vocab_size = data.load_manifest(prepared)["vocab_size"]
+    vocab_size = shards.load_manifest(prepared)["vocab_size"]
     tokens = np.fromfile(bad / "val_00000.bin", dtype=np.uint16)
     tokens[-1] = vocab_size + 1000  # the very last id: the whole file is scanned
     rewrite_shard(bad, "val_00000.bin", tokens)
@@ -277,26 +278,26 @@ def test_loader_refuses_ids_beyond_the_vocabulary(prepared, tmp_path):
     with pytest.raises(ValueError, match=message):
         PackedShardLoader(bad, "val", T, 1)
     with pytest.raises(ValueError, match=message):
-        data.verify(bad)
+        shards.verify(bad)
     tokens[-1] = vocab_size - 1  # the largest id the embedding has a row for
     rewrite_shard(bad, "val_00000.bin", tokens)
     PackedShardLoader(bad, "val", T, 1)
 
 
 def test_scan_reads_in_chunks_and_matches_whole_file_oracles(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "VERIFY_CHUNK_BYTES", 64)  # many chunks and a partial last one
+    monkeypatch.setattr(shards, "VERIFY_CHUNK_BYTES", 64)  # many chunks and a partial last one
     for dtype in (np.uint16, np.uint32):
         tokens = np.random.default_rng(0).integers(0, 1000, 1001).astype(dtype)
         for where in (0, 500, 1000):  # the largest id in the first, a middle, the last chunk
             tokens[where] = 5000
             path = tmp_path / f"shard_{where}.bin"
             path.write_bytes(tokens.tobytes())
-            digest, largest = data.scan_shard(path, np.dtype(dtype))
+            digest, largest = shards.scan_shard(path, np.dtype(dtype))
             assert digest == hashlib.sha256(tokens.tobytes()).hexdigest()
             assert largest == 5000
             tokens[where] = 0
     (tmp_path / "empty.bin").write_bytes(b"")
-    assert data.scan_shard(tmp_path / "empty.bin", np.dtype(np.uint16)) == (
+    assert shards.scan_shard(tmp_path / "empty.bin", np.dtype(np.uint16)) == (
         hashlib.sha256(b"").hexdigest(), -1)
 
 
@@ -305,22 +306,22 @@ def test_each_shard_is_hashed_once_until_it_changes(prepared, tmp_path, monkeypa
     processes through checked.json (other ranks, restarts); a changed shard is hashed again
     and refused."""
     fresh = copy_of(prepared, tmp_path)
-    (fresh / data.CHECKED).unlink(missing_ok=True)
-    real_scan, scanned = data.scan_shard, []
+    (fresh / shards.CHECKED).unlink(missing_ok=True)
+    real_scan, scanned = shards.scan_shard, []
 
     def counting_scan(path, dtype):
         scanned.append(path.name)
         return real_scan(path, dtype)
 
-    monkeypatch.setattr(data, "scan_shard", counting_scan)
-    monkeypatch.setattr(data, "_verified_shards", set())
-    val_files = [s["file"] for s in data.load_manifest(fresh)["splits"]["val"]["shards"]]
+    monkeypatch.setattr(shards, "scan_shard", counting_scan)
+    monkeypatch.setattr(shards, "_verified_shards", set())
+    val_files = [s["file"] for s in shards.load_manifest(fresh)["splits"]["val"]["shards"]]
     for _ in range(3):  # as train.py rebuilds the val loader at every evaluation
         PackedShardLoader(fresh, "val", T, 1)
     assert scanned == val_files
-    assert sorted(json.loads((fresh / data.CHECKED).read_text())) == sorted(val_files)
+    assert sorted(json.loads((fresh / shards.CHECKED).read_text())) == sorted(val_files)
     scanned.clear()
-    monkeypatch.setattr(data, "_verified_shards", set())  # a new process: only the record
+    monkeypatch.setattr(shards, "_verified_shards", set())  # a new process: only the record
     PackedShardLoader(fresh, "val", T, 1)
     assert scanned == []
     flip_bytes(fresh / "val_00000.bin", 0, 64)
@@ -331,43 +332,43 @@ def test_each_shard_is_hashed_once_until_it_changes(prepared, tmp_path, monkeypa
     assert scanned == ["val_00000.bin"]  # the changed file only
     scanned.clear()
     shutil.copy(prepared / "val_00000.bin", fresh / "val_00000.bin")
-    data.verify(fresh)  # --verify hashes every shard, remembered or not
+    shards.verify(fresh)  # --verify hashes every shard, remembered or not
     assert len(scanned) == len(list(fresh.glob("*.bin")))
 
 
 def test_a_read_only_data_dir_is_checked_without_a_record(prepared, tmp_path, monkeypatch):
     fresh = copy_of(prepared, tmp_path)
-    (fresh / data.CHECKED).unlink(missing_ok=True)
-    monkeypatch.setattr(data, "_verified_shards", set())
+    (fresh / shards.CHECKED).unlink(missing_ok=True)
+    monkeypatch.setattr(shards, "_verified_shards", set())
     fresh.chmod(0o555)
     try:
         if os.access(fresh, os.W_OK):  # root ignores the mode bits: nothing to test there
-            monkeypatch.setattr(data.os, "replace", lambda *a: (_ for _ in ()).throw(
+            monkeypatch.setattr(shards.os, "replace", lambda *a: (_ for _ in ()).throw(
                 PermissionError(13, "Read-only file system")))
         PackedShardLoader(fresh, "val", T, 1)
     finally:
         fresh.chmod(0o755)
-    assert not (fresh / data.CHECKED).exists() and not list(fresh.glob("*.tmp"))
+    assert not (fresh / shards.CHECKED).exists() and not list(fresh.glob("*.tmp"))
 
 
 def test_fingerprint_names_the_prepared_data(prepared):
-    manifest = data.load_manifest(prepared)
-    fingerprint = data.fingerprint(manifest)
+    manifest = shards.load_manifest(prepared)
+    fingerprint = shards.fingerprint(manifest)
     assert re.fullmatch(r"[0-9a-f]{64}", fingerprint)
-    assert data.fingerprint(json.loads(json.dumps(manifest))) == fingerprint  # a reread
-    assert data.fingerprint({**manifest, "source": "elsewhere"}) == fingerprint  # not identity
+    assert shards.fingerprint(json.loads(json.dumps(manifest))) == fingerprint  # a reread
+    assert shards.fingerprint({**manifest, "source": "elsewhere"}) == fingerprint  # not identity
     for split in ("train", "val"):
         for i in range(len(manifest["splits"][split]["shards"])):
             for field, value in (("sha256", "0" * 64), ("tokens", 1), ("file", "x.bin")):
                 other = json.loads(json.dumps(manifest))
                 other["splits"][split]["shards"][i][field] = value
-                assert data.fingerprint(other) != fingerprint, (split, i, field)
+                assert shards.fingerprint(other) != fingerprint, (split, i, field)
     other = json.loads(json.dumps(manifest))
     other["tokenizer"]["sha256"] = "0" * 64
-    assert data.fingerprint(other) != fingerprint
+    assert shards.fingerprint(other) != fingerprint
     every = [s for split in ("train", "val") for s in manifest["splits"][split]["shards"]]
     other = {**manifest, "splits": {"train": {"shards": []}, "val": {"shards": every}}}
-    assert data.fingerprint(other) != fingerprint  # the same shards, in order, but all val
+    assert shards.fingerprint(other) != fingerprint  # the same shards, in order, but all val
 
 
 def test_train_order_is_the_documented_permutation(prepared):
@@ -376,7 +377,7 @@ def test_train_order_is_the_documented_permutation(prepared):
     windows only while this holds, so it is pinned against the plain reader."""
     tokens = stream(prepared, "train")
     loader = PackedShardLoader(prepared, "train", T, micro_batch_size=4, seed=11)
-    digits = data.fingerprint(data.load_manifest(prepared))[:32]
+    digits = shards.fingerprint(shards.load_manifest(prepared))[:32]
     words = [int(digits[i:i + 8], 16) for i in (0, 8, 16, 24)]
     order = np.random.default_rng([11, 0, *words]).permutation(loader.windows_per_epoch)
     for step in range(5):
@@ -391,28 +392,28 @@ def test_tokenizer_whose_hash_differs_from_the_manifest(prepared, tmp_path):
     bad = copy_of(prepared, tmp_path)
     (bad / "tokenizer.json").write_text((prepared / "tokenizer.json").read_text() + "\n")
     with pytest.raises(ValueError, match="tokenizer.json has sha256.*another tokenizer"):
-        data.tokenizer_path(bad)
+        shards.tokenizer_path(bad)
     with pytest.raises(ValueError, match="tokenizer.json has sha256"):
-        data.verify(bad)
+        shards.verify(bad)
 
 
 def test_seq_len_longer_than_the_split_names_the_real_fix(prepared):
     """A val split too small for one window is fixed by preparing a larger one
     (--val_fraction); a train split by more data. Lowering seq_len is the other way."""
-    val_tokens = data.load_manifest(prepared)["splits"]["val"]["tokens"]
+    val_tokens = shards.load_manifest(prepared)["splits"]["val"]["tokens"]
     with pytest.raises(ValueError, match=f"split 'val' of {prepared} has {val_tokens:,} tokens, "
                                          f"too few for one window of seq_len={val_tokens}.*"
                                          f"larger --val_fraction.*or lower --seq_len"):
         PackedShardLoader(prepared, "val", val_tokens, 1)
     PackedShardLoader(prepared, "val", val_tokens - 1, 1)  # exactly one window fits
-    train_tokens = data.load_manifest(prepared)["splits"]["train"]["tokens"]
+    train_tokens = shards.load_manifest(prepared)["splits"]["train"]["tokens"]
     with pytest.raises(ValueError, match="split 'train'.*prepare a larger corpus, or lower"):
         PackedShardLoader(prepared, "train", train_tokens, 1)
 
 
 def test_vocab_too_large_for_the_dtype(prepared, tmp_path):
     bad = copy_of(prepared, tmp_path)
-    manifest = data.load_manifest(prepared)
+    manifest = shards.load_manifest(prepared)
     (bad / "manifest.json").write_text(json.dumps({**manifest, "vocab_size": 70_000}))
     with pytest.raises(ValueError, match="vocab_size=70,000 does not fit dtype uint16"):
         PackedShardLoader(bad, "train", T, 1)

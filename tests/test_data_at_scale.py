@@ -14,6 +14,7 @@ import data
 import train
 from conftest import micro_config
 from model import Transformer
+from plumbing import shards
 
 def single_window_evaluation(cfg, model=None, data_dir=None) -> dict:
     """The oracle: every val window once, one at a time (batch of 1, one process), summed by
@@ -69,7 +70,7 @@ def test_one_process_evaluates_every_window_once(micro_batch_size, windows, prep
 
 
 def test_a_plan_past_four_epochs_warns_once_and_max_epochs_refuses(small_data_dir, tmp_path):
-    tokens = data.windows_per_epoch(data.load_manifest(small_data_dir), "train", 64) * 64
+    tokens = data.windows_per_epoch(shards.load_manifest(small_data_dir), "train", 64) * 64
     cfg = micro_config(small_data_dir, str(tmp_path), total_steps=10**5, warmup_steps=1)
 
     def plan(stop_at_step, **overrides):
@@ -90,7 +91,7 @@ def test_a_plan_past_four_epochs_warns_once_and_max_epochs_refuses(small_data_di
 
 def test_setup_prints_the_warning_once_and_max_epochs_refuses_before_any_step(
         small_data_dir, tmp_path, capsys):
-    tokens = data.windows_per_epoch(data.load_manifest(small_data_dir), "train", 64) * 64
+    tokens = data.windows_per_epoch(shards.load_manifest(small_data_dir), "train", 64) * 64
     cfg = micro_config(small_data_dir, str(tmp_path), total_steps=10**5, warmup_steps=1,
                        stop_at_step=5 * tokens // 512)
     train.setup(cfg)

@@ -21,7 +21,6 @@ from matplotlib.colors import to_rgba
 from tokenizers import Tokenizer
 
 import config
-import downstream
 import export
 import prepare
 import report
@@ -29,6 +28,7 @@ import train
 from conftest import micro_config
 from model import Transformer
 from test_train import REPO, checkpoint_weights
+from plumbing import downstream, overrides
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -450,7 +450,7 @@ def test_bare_nextline_reads_the_runs_own_data_and_leaves_out_what_cannot_fit(
             break
     assert task.items == fits and left_out > 0
     # the run: tiny on a corpus of its own, another vocabulary, a shorter seq_len
-    tiny, _ = config.parse_args(["--preset", "tiny", f"--data_dir={small_data_dir}",
+    tiny, _ = overrides.parse_args(["--preset", "tiny", f"--data_dir={small_data_dir}",
                                  "--model.vocab_size=512", "--seq_len=64"])
     [task] = downstream.load_tasks(tiny, small_data_dir, 1)
     assert len(task.items) == config.TINY_ITEMS

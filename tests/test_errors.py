@@ -17,12 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
-import cli
 import config
-import data
-import launch
-import log
 import optim
 import prepare
 import report
@@ -31,6 +26,7 @@ import train
 from conftest import micro_config
 from model import Transformer
 from test_train import REPO, cli_args, inject_nan_loss, train_records
+from plumbing import checkpoint, cli, launch, log, overrides, shards
 
 # (extra command-line flags, a fragment the one-line message must contain). Each is a
 # mistake on top of a valid config; "{data}" and "{out}" name a prepared data dir and a
@@ -130,7 +126,7 @@ def test_argparse_refusals_are_one_line_too(command, argv, message, capsys):
     """What argparse itself refuses, in every command, is the commands' one line and exit
     status 2, not its usage and a second line."""
     main = {"train": train.cli, "prepare": prepare.main, "report": report.cli,
-            "sample": sample.main, "config": config.fit_micro_batch_cli}[command]
+            "sample": sample.main, "config": overrides.fit_micro_batch_cli}[command]
     assert message in run_cli(argv, capsys, main)
 
 
@@ -226,7 +222,7 @@ def test_raw_text_gets_a_prepare_command_that_works(raw, tmp_path, monkeypatch, 
     prepare.main(argv[2:])
     target = message.rsplit("--data_dir=", 1)[1]
     assert Path(target).resolve() != Path(raw).resolve() and f"--data_dir {target}" in command
-    data.check_sources([target], cfg.model.vocab_size)  # what train.py checks first
+    shards.check_sources([target], cfg.model.vocab_size)  # what train.py checks first
 
 
 @pytest.mark.parametrize("spec", ["a:0.7 b:0.3", "a=0.7,b=0.3"])
@@ -243,8 +239,8 @@ def test_total_steps_below_the_presets_stop_names_stop_at_step():
     """tiny stops at step 300: --total_steps=50 alone is refused naming --stop_at_step, and
     the flag it names, added, makes a valid config."""
     with pytest.raises(ValueError, match="pass --stop_at_step=50 with it"):
-        config.parse_args(["--preset", "tiny", "--total_steps=50"])
-    cfg, _ = config.parse_args(["--preset", "tiny", "--total_steps=50", "--stop_at_step=50"])
+        overrides.parse_args(["--preset", "tiny", "--total_steps=50"])
+    cfg, _ = overrides.parse_args(["--preset", "tiny", "--total_steps=50", "--stop_at_step=50"])
     assert (cfg.total_steps, cfg.stop_at_step) == (50, 50)
 
 

@@ -14,13 +14,13 @@ import torch
 from tokenizers import Tokenizer
 
 import export
-import log
 import sample
 import train
 from conftest import copy_of, micro_config
 from model import KVCache, Transformer, complete
 from test_errors import run_cli
 from test_train import REPO, checkpoint_weights
+from plumbing import log
 
 # Shape knobs the `tiny` preset does not have: a rope_theta no default shares, and NoPE on
 # layer 2 of 2 (tiny's nope_every=4 leaves both layers with RoPE). Neither changes a tensor
@@ -302,7 +302,7 @@ def test_a_changed_tracked_file_marks_the_revision_dirty_and_an_untracked_one_do
         return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t",
                                "-c", "user.email=t@t", *args], capture_output=True, text=True,
                               check=True).stdout.strip()
-    shutil.copy(REPO / "log.py", tmp_path)
+    shutil.copy(REPO / "plumbing" / "log.py", tmp_path)
     git("init", "-q")
     git("add", "log.py")
     git("commit", "-qm", "one")
@@ -316,7 +316,7 @@ def test_a_changed_tracked_file_marks_the_revision_dirty_and_an_untracked_one_do
 def test_outside_a_git_checkout_the_revision_is_unknown(tmp_path):
     copy = tmp_path / "copied"
     copy.mkdir()
-    shutil.copy(REPO / "log.py", copy)
+    shutil.copy(REPO / "plumbing" / "log.py", copy)
     assert log.code_revision(copy) == "unknown"
     nested = REPO / "tests" / "__pycache__"  # inside this repository, but not its top
     assert log.code_revision(nested if nested.is_dir() else REPO / "tests") == "unknown"

@@ -15,16 +15,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import checkpoint
 import data
 import dist_fsdp
 import export
-import launch
 import train
 from conftest import GRAD_NORM_RTOL, LOSS_RTOL, WEIGHT_TOL, micro_config
 from model import Transformer
 from test_cluster import processes_of, rank_of, wait_for_steps
 from test_train import assert_weights, checkpoint_weights, free_port, launch_command
+from plumbing import checkpoint, launch
 
 ROOT = Path(__file__).resolve().parent.parent
 # FSDP2 bf16 against DDP bf16 autocast, train losses over 4 steps: 4.8e-5 relative at most
@@ -254,7 +253,8 @@ BF16_TRAIN_PY = """\
 import json, os, sys
 import torch
 import torch.distributed.fsdp as fsdp
-import launch, model, train
+import model, train
+from plumbing import launch
 launch.cpu_computes_bf16 = lambda: True
 seen, policies, shard = {}, {}, fsdp.fully_shard
 def watch(module, args):

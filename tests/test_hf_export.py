@@ -17,12 +17,12 @@ import torch
 from tokenizers import Tokenizer
 
 import export
-import log
 import train
 from config import StackConfig
 from conftest import micro_config
 from model import KVCache, Transformer
 from test_train import REPO, checkpoint_weights
+from plumbing import log
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 import config
-import launch
-import log
 import optim
 from model import Transformer
+from plumbing import launch, log, overrides
 
 # /proc/cpuinfo as Linux writes it: a block per core, x86's `flags`, Arm's `Features`.
 ZEN4 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n"
@@ -60,7 +59,7 @@ def test_auto_precision_is_what_this_machine_computes_fastest(monkeypatch, gpu, 
     precision, why = launch.precision(config.tiny())
     assert (precision, why[:len(want[1])]) == want
     for explicit in ("no", "bf16"):  # an explicit knob wins, whatever the machine
-        chosen = config.apply_overrides(config.tiny(), {"mixed_precision": explicit})
+        chosen = overrides.apply_overrides(config.tiny(), {"mixed_precision": explicit})
         assert launch.precision(chosen) == (explicit, "the config's mixed_precision")
 
 
@@ -72,11 +71,11 @@ def test_auto_compiles_on_a_gpu_and_for_a_long_cpu_run_and_an_explicit_knob_wins
     always; an explicit knob wins either way."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     for steps in (300, launch.CPU_COMPILE_MIN_STEPS - 1, launch.CPU_COMPILE_MIN_STEPS, 38_147):
-        cfg = config.apply_overrides(config.tiny(), {"total_steps": "38147",
+        cfg = overrides.apply_overrides(config.tiny(), {"total_steps": "38147",
                                                      "stop_at_step": str(steps)})
         assert launch.use_compile(cfg)[0] is (cuda or steps >= launch.CPU_COMPILE_MIN_STEPS)
         for explicit, want in (("true", True), ("false", False)):
-            chosen = config.apply_overrides(cfg, {"compile_model": explicit})
+            chosen = overrides.apply_overrides(cfg, {"compile_model": explicit})
             assert launch.use_compile(chosen) == (want, "the config's compile_model")
 
 
@@ -89,9 +88,9 @@ def test_the_banner_says_what_auto_chose_and_why(monkeypatch):
                                         distributed_type=types.SimpleNamespace(value="NO"),
                                         mixed_precision=precision)
     hardware = log.hardware(accelerator, False, launch.use_compile(cfg), why)
-    start = log.Start(hardware, "abc", [], {cfg.data_dir: 1.0}, {cfg.data_dir: 10})
+    facts = log.RunFacts(hardware, "abc", [], {cfg.data_dir: 1.0}, {cfg.data_dir: 10})
     model = Transformer(cfg.model)
-    text = log.banner(cfg, start, model, optim.build_optimizers(model, cfg), "schedule",
+    text = log.banner(cfg, facts, model, optim.build_optimizers(model, cfg), "schedule",
                       log.model_flops(cfg))
     assert "precision bf16 (auto: this CPU computes bf16 natively; mixed_precision=auto wins " \
            "over a launch config's), compile False (auto: a CPU run of 300 steps, too short to " \

@@ -14,12 +14,12 @@ import torch
 
 import config
 import data
-import log
 import optim
 import train
 from conftest import micro_config
 from model import Transformer
 from train import StepResult
+from plumbing import log, overrides, shards
 
 
 def test_peak_flops_table():
@@ -73,21 +73,21 @@ def test_memory_estimate_counts_optimizer_state_and_recomputed_blocks():
     assert plain["optimizer"] == pytest.approx((4 * n_muon + 8 * 20_000_000) / gib)
     sharded = log.memory_estimate(cfg, n, n_muon, world=4, sharded=True, bf16=True)
     assert sharded["optimizer"] == pytest.approx(plain["optimizer"] / 4)
-    full = log.memory_estimate(config.apply_overrides(cfg, {"activation_recompute": "full"}),
+    full = log.memory_estimate(overrides.apply_overrides(cfg, {"activation_recompute": "full"}),
                                   n, n_muon, world=1, sharded=False, bf16=True)
     tokens, d = cfg.micro_batch_size * cfg.seq_len, cfg.model.d_model
     block, block_input = tokens * 66 * d, tokens * d * 2
     assert full["activations"] == pytest.approx((30 * block_input + block) / gib)
     assert plain["activations"] == pytest.approx(30 * block / gib)
     # every-4 recomputes blocks 0, 4, …, 28 (model.py's rule, layer % 4 == 0): 8 of 30
-    every4 = log.memory_estimate(config.apply_overrides(cfg, {"activation_recompute": "every-4"}),
+    every4 = log.memory_estimate(overrides.apply_overrides(cfg, {"activation_recompute": "every-4"}),
                                  n, n_muon, world=1, sharded=False, bf16=True)
     assert every4["activations"] == pytest.approx((22 * block + 8 * block_input + block) / gib)
 
 
 def test_a_plain_loss_head_is_estimated_for_all_its_rows():
     """ce_chunk_size 0 is the plain head: the whole (B·T, V) fp32 logits and their gradient."""
-    cfg = config.apply_overrides(config.tiny(), {"model.ce_chunk_size": 0})
+    cfg = overrides.apply_overrides(config.tiny(), {"model.ce_chunk_size": 0})
     rows = cfg.micro_batch_size * cfg.seq_len
     estimate = log.memory_estimate(cfg, 4_000_000, 3_000_000, world=1, sharded=False, bf16=False)
     assert estimate["loss_head"] == pytest.approx(2 * rows * 4096 * 4 / 2**30)
@@ -104,16 +104,16 @@ def test_readmes_memory_table_is_the_banners_estimate():
     preset = config.stack100m()
     assert (preset.micro_batch_size, preset.activation_recompute) == (32, "none")
     hardware = log.Hardware(1, "cuda:0", "NO", "bf16", True, "NVIDIA H100")
-    for overrides, quoted in rows:
-        cfg = config.apply_overrides(preset, dict(re.findall(r"--([\w.]+)=([\w-]+)", overrides)))
+    for flags, quoted in rows:
+        cfg = overrides.apply_overrides(preset, dict(re.findall(r"--([\w.]+)=([\w-]+)", flags)))
         with torch.device("meta"):  # the shapes alone: no memory, no time
             model = Transformer(cfg.model)
-        start = log.Start(hardware, "abc", [], {cfg.data_dir: 1.0}, {cfg.data_dir: 10})
-        text = log.banner(cfg, start, model, optim.build_optimizers(model, cfg), "schedule",
+        facts = log.RunFacts(hardware, "abc", [], {cfg.data_dir: 1.0}, {cfg.data_dir: 10})
+        text = log.banner(cfg, facts, model, optim.build_optimizers(model, cfg), "schedule",
                           {"causal": 1.0, "palm": 1.0})
         [total] = re.findall(r"^memory estimate per rank: .* = ([\d.]+) GiB", text, re.M)
         digits = len(quoted.partition(".")[2])
-        assert f"{float(total):.{digits}f}" == quoted, overrides
+        assert f"{float(total):.{digits}f}" == quoted, flags
 
 
 def logged_run(step: int, lrs: dict[str, float]):
@@ -128,7 +128,7 @@ def logged_run(step: int, lrs: dict[str, float]):
 def test_log_line_labels_each_learning_rate(tmp_path, monkeypatch):
     """The rates are labelled by optimizer, in the order given, and the metrics record
     carries the same numbers under lr_<name>."""
-    cfg = config.apply_overrides(config.tiny(), {"out_dir": str(tmp_path), "write_report": False})
+    cfg = overrides.apply_overrides(config.tiny(), {"out_dir": str(tmp_path), "write_report": False})
     flops = {"causal": 1e9, "palm": 2e9}
     printed = io.StringIO()
     monkeypatch.setattr("sys.stdout", printed)
@@ -160,7 +160,7 @@ def test_wandb_gets_every_train_eval_and_skip_record_that_metrics_jsonl_gets(tmp
             logged.append("finished")
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(
         init=lambda **kwargs: inits.append(kwargs) or Run()))
-    cfg = config.apply_overrides(config.tiny(), {"out_dir": str(tmp_path), "write_report": False,
+    cfg = overrides.apply_overrides(config.tiny(), {"out_dir": str(tmp_path), "write_report": False,
                                                  "wandb_mode": "offline"})
     monkeypatch.setattr("sys.stdout", io.StringIO())
     with log.MetricsLogger(cfg, True, torch.device("cpu"), 1, {"causal": 1e9, "palm": 2e9},
@@ -182,7 +182,7 @@ def test_wandb_gets_every_train_eval_and_skip_record_that_metrics_jsonl_gets(tmp
 
 def test_no_progress_bar_when_not_a_terminal(tmp_path, capsys):
     """Redirected output gets plain lines only: no carriage returns from a tqdm bar."""
-    cfg = config.apply_overrides(config.tiny(), {"out_dir": str(tmp_path), "write_report": False})
+    cfg = overrides.apply_overrides(config.tiny(), {"out_dir": str(tmp_path), "write_report": False})
     with log.MetricsLogger(cfg, True, torch.device("cpu"), 1, {"causal": 1.0, "palm": 1.0},
                            start_step=0) as logger:
         for step in (10, 20):
@@ -199,9 +199,9 @@ def test_no_progress_bar_when_not_a_terminal(tmp_path, capsys):
 def test_banner_names_the_loss_unit_and_what_the_mem_column_measures(device, says):
     cfg = config.tiny()
     model = Transformer(cfg.model)
-    start = log.Start(log.Hardware(1, device, "NO", "no", False), "abc1234", [],
-                      {cfg.data_dir: 1.0}, {cfg.data_dir: 262})
-    text = log.banner(cfg, start, model, optim.build_optimizers(model, cfg), "schedule",
+    facts = log.RunFacts(log.Hardware(1, device, "NO", "no", False), "abc1234", [],
+                         {cfg.data_dir: 1.0}, {cfg.data_dir: 262})
+    text = log.banner(cfg, facts, model, optim.build_optimizers(model, cfg), "schedule",
                       {"causal": 1.0, "palm": 1.0})
     assert "loss: cross-entropy + z-loss in nats per target token" in text
     [line] = [line for line in text.splitlines() if line.startswith("memory estimate per rank")]
@@ -216,7 +216,7 @@ def test_the_banner_says_what_an_evaluation_covers():
     assert log.eval_coverage(tiny, {"data/a": 262}) == [
         "eval every 100 steps: all of data/a's val (262 windows of 256 tokens); 67,072 val "
         "tokens per evaluation"]
-    part = config.apply_overrides(config.tiny(), {"eval_tokens": 65_536})  # 256 windows
+    part = overrides.apply_overrides(config.tiny(), {"eval_tokens": 65_536})  # 256 windows
     assert log.eval_coverage(part, {"data/a": 262, "data/b": 100}) == [
         "eval every 100 steps: 256 of data/a's 262 val windows (97.7%); all of data/b's val "
         "(100 windows of 256 tokens); 91,136 val tokens per evaluation"]
@@ -239,7 +239,7 @@ def test_setup_says_what_an_evaluation_reads_and_warns_where_it_costs_most(small
     from the manifest here) is 472·64 forward tokens, each a third of a trained token's
     compute: ~492% of the training between evaluations, warned about. The fix the warning
     names, followed (eval_tokens 1,024), is not warned about."""
-    windows = data.windows_per_epoch(data.load_manifest(small_data_dir), "val", 64)
+    windows = data.windows_per_epoch(shards.load_manifest(small_data_dir), "val", 64)
     cfg = micro_config(small_data_dir, str(tmp_path / "all"), eval_tokens=None)
     train.setup(cfg)
     printed = capsys.readouterr().out

@@ -17,15 +17,15 @@ import data
 import export
 import prepare
 import report
-import resume
 import sample
 import train
 from conftest import micro_config
 from model import Transformer
-from test_errors import run_cli
 from test_data_at_scale import single_window_evaluation
+from test_errors import run_cli
 from test_report import records, series, table
 from test_train import REPO, checkpoint_weights, train_records
+from plumbing import overrides, resume, shards
 
 T = 32
 
@@ -193,7 +193,7 @@ def test_mixture_syntax_and_stages():
 def test_a_toml_file_lists_stages(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text('data_dir = "a:2,b:1"\n[[data_stages]]\nstart = 50\ndata_dir = "c"\n')
-    cfg, _ = config.parse_args(["--preset", "tiny", "--config", str(toml)])
+    cfg, _ = overrides.parse_args(["--preset", "tiny", "--config", str(toml)])
     assert cfg.stages(240) == [(0, (("a", 2 / 3), ("b", 1 / 3))), (50, (("c", 1.0),))]
 
 
@@ -202,7 +202,7 @@ def test_the_recipe_file_holds_the_mixture_and_the_anneal_readme_names(monkeypat
     (0.86, 0.11, 0.03) from step 0, the anneal from decay_start, and a run that stops at the
     end of the stable phase, step 34,332, where the anneal's checkpoint is."""
     monkeypatch.chdir(REPO)
-    cfg, _ = config.parse_args(["--preset", "stack100m", "--config",
+    cfg, _ = overrides.parse_args(["--preset", "stack100m", "--config",
                                 "configs/smollm_mixture.toml"])
     assert cfg.stop_at_step == config.wsd_phases(cfg).decay_start == 34_332
     (start, stable), (anneal_start, anneal) = cfg.stages(34_332)
@@ -229,11 +229,11 @@ def train_cli_args(cfg) -> list[str]:
 # The run: the handoff, what a resume may change, per-source validation, the plan
 # ---------------------------------------------------------------------------------------
 
-def tiny_run(data_dir: str, out_dir: str, **overrides) -> config.TrainConfig:
+def tiny_run(data_dir: str, out_dir: str, **knobs) -> config.TrainConfig:
     """The `tiny` preset with 2 layers of width 64, shortened to 20 steps of 1,024 tokens
     whose decay leg begins at step 16, on the test sources (their 512-token vocabulary fits
     tiny's 4,096)."""
-    cfg = config.apply_overrides(config.tiny(), {
+    cfg = overrides.apply_overrides(config.tiny(), {
         "micro_batch_size": 4, "global_batch_tokens": 1024, "model.n_layers": 2,
         "model.d_model": 64, "model.intermediate": 176,
         "data_dir": data_dir, "out_dir": out_dir, "total_steps": 20, "stop_at_step": 20,
@@ -243,7 +243,7 @@ def tiny_run(data_dir: str, out_dir: str, **overrides) -> config.TrainConfig:
         # precision at its first Accelerator, and auto picks bf16 on a CPU that computes it
         "mixed_precision": "no",
         "downstream": ""})  # the next-line task is tested in test_downstream.py
-    return config.apply_overrides(cfg, overrides)
+    return overrides.apply_overrides(cfg, knobs)
 
 
 def losses(cfg) -> list[tuple]:
@@ -342,9 +342,9 @@ def test_a_checkpoint_from_before_mixtures_resumes_as_a_mixture_of_one(small_dat
     train.main(cfg)
     state_path = Path(cfg.out_dir) / "ckpt" / "step_0000004" / "train_state.json"
     state = json.loads(state_path.read_text())
-    manifest = data.load_manifest(small_data_dir)
+    manifest = shards.load_manifest(small_data_dir)
     state.pop("stages")
-    state["data_sha256"] = data.fingerprint(manifest)
+    state["data_sha256"] = shards.fingerprint(manifest)
     state["loader"] = {"split": "train", "cursor": state["loader"]["cursor"], "seed": cfg.seed,
                        "seq_len": cfg.seq_len, "windows_per_epoch": 1, "data_sha256": "x",
                        "epoch": 0}
@@ -436,7 +436,7 @@ def test_the_banner_plans_each_stage_and_warns_per_source(sources, tmp_path, cap
     assert f"data from step 0: {sources[0]} × 0.75, " in out
     assert f"data from step 0: {sources[1]} × 0.25, " in out
     assert f"data from step 20,000: {sources[2]} × 1, " in out
-    tokens = {d: data.windows_per_epoch(data.load_manifest(d), "train", cfg.seq_len)
+    tokens = {d: data.windows_per_epoch(shards.load_manifest(d), "train", cfg.seq_len)
               * cfg.seq_len for d in sources}
     plan = config.data_plan(cfg, cfg.stages(20_000), tokens)
     assert [(r["start"], r["source"], r["planned"]) for r in plan] == [

@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import config
 import model as M
+from plumbing import overrides
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -702,12 +703,12 @@ def test_loss_head_dtype_knob_reaches_the_head():
     so is bf16 without the chunked head (the plain head has no such knob)."""
     import train
 
-    cfg = config.apply_overrides(config.tiny(), {"loss_head_dtype": "bf16",
+    cfg = overrides.apply_overrides(config.tiny(), {"loss_head_dtype": "bf16",
                                                  "model.ce_chunk_size": 1024})
     assert train.build_model(cfg, compile_model=False).loss_head_dtype == "bf16"
     with pytest.raises(ValueError, match="loss_head_dtype=bf16 sets the chunked loss head's "
                                          "matmul inputs, and model.ce_chunk_size=0"):
-        config.apply_overrides(config.tiny(), {"loss_head_dtype": "bf16"})
+        overrides.apply_overrides(config.tiny(), {"loss_head_dtype": "bf16"})
     model = small_model()
     ids = torch.randint(0, 97, (2, 12))
     loss32 = model(ids, targets=ids).loss

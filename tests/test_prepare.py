@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models
 
-import data
 import prepare
-from data import EOS_TOKEN
 from conftest import copy_of, documents_of, stream
+from data import EOS_TOKEN
+from plumbing import shards
 
 
 # ---------------------------------------------------------------------------------------
@@ -22,8 +22,8 @@ from conftest import copy_of, documents_of, stream
 # ---------------------------------------------------------------------------------------
 
 def test_shards_decode_back_to_the_source_documents(prepared, corpus):
-    manifest = data.load_manifest(prepared)
-    tokenizer = Tokenizer.from_file(data.tokenizer_path(prepared))
+    manifest = shards.load_manifest(prepared)
+    tokenizer = Tokenizer.from_file(shards.tokenizer_path(prepared))
     decoded = {}
     for split in ("train", "val"):
         docs = documents_of(stream(prepared, split), manifest["eos_id"])
@@ -42,9 +42,9 @@ def test_shards_decode_back_to_the_source_documents(prepared, corpus):
 def test_the_val_documents_are_on_record_by_key_in_stream_order(prepared, corpus):
     """val_documents.json (named in the manifest) lists the key of every val document, in
     the order of the val stream: the file each key names is the document decoded there."""
-    manifest = data.load_manifest(prepared)
+    manifest = shards.load_manifest(prepared)
     keys = json.loads((prepared / manifest["splits"]["val"]["keys"]).read_text())
-    tokenizer = Tokenizer.from_file(data.tokenizer_path(prepared))
+    tokenizer = Tokenizer.from_file(shards.tokenizer_path(prepared))
     docs = documents_of(stream(prepared, "val"), manifest["eos_id"])
     assert len(keys) == manifest["splits"]["val"]["documents"] >= 2
     assert [tokenizer.decode(d, skip_special_tokens=False) for d in docs] == \
@@ -52,16 +52,16 @@ def test_the_val_documents_are_on_record_by_key_in_stream_order(prepared, corpus
 
 
 def test_manifest_records_shards_tokenizer_and_skips(prepared):
-    manifest = data.load_manifest(prepared)
-    assert manifest["format_version"] == data.FORMAT_VERSION
+    manifest = shards.load_manifest(prepared)
+    assert manifest["format_version"] == shards.FORMAT_VERSION
     assert manifest["dtype"] == "uint16" and manifest["vocab_size"] <= 400
     tokenizer = Tokenizer.from_file(str(prepared / "tokenizer.json"))
     assert manifest["eos_id"] == tokenizer.token_to_id(EOS_TOKEN)
     assert manifest["tokenizer"]["sha256"] == hashlib.sha256(
         (prepared / "tokenizer.json").read_bytes()).hexdigest()
-    shards = manifest["splits"]["train"]["shards"]
-    assert len(shards) > 1 and all(s["tokens"] == 700 for s in shards[:-1])
-    for shard in shards:
+    train = manifest["splits"]["train"]["shards"]
+    assert len(train) > 1 and all(s["tokens"] == 700 for s in train[:-1])
+    for shard in train:
         raw = (prepared / shard["file"]).read_bytes()
         assert shard["sha256"] == hashlib.sha256(raw).hexdigest()
         assert len(raw) == 2 * shard["tokens"]
@@ -75,7 +75,7 @@ def test_reused_tokenizer_shares_the_vocabulary(prepared, tmp_path):
     source.write_text(f"first note\n{EOS_TOKEN}second note, longer\n{EOS_TOKEN}\n")
     manifest = prepare.prepare(str(source), str(tmp_path / "notes"),
                             tokenizer=str(prepared / "tokenizer.json"), val_fraction=0.0)
-    assert manifest["tokenizer"]["sha256"] == data.load_manifest(prepared)["tokenizer"]["sha256"]
+    assert manifest["tokenizer"]["sha256"] == shards.load_manifest(prepared)["tokenizer"]["sha256"]
     assert manifest["splits"]["train"]["documents"] == 2  # the blank tail is no document
     tokenizer = Tokenizer.from_file(str(prepared / "tokenizer.json"))
     docs = documents_of(stream(tmp_path / "notes", "train"), manifest["eos_id"])
@@ -99,11 +99,11 @@ def test_interrupted_prepare_leaves_nothing_to_read_and_a_rerun_recovers(corpus,
                         val_fraction=0.2)
     assert calls[0].parent == tmp_path / "out.tmp"  # written aside, never into out
     with pytest.raises(FileNotFoundError, match="does not exist.*python prepare.py"):
-        data.load_manifest(out)
+        shards.load_manifest(out)
     monkeypatch.setattr(prepare, "write_atomic", real_write)
     prepare.prepare(str(corpus[0]), str(out), vocab_size=300, shard_tokens=700,
                     val_fraction=0.2)  # the same command again: the leftover is replaced
-    assert data.load_manifest(out) and not (tmp_path / "out.tmp").exists()
+    assert shards.load_manifest(out) and not (tmp_path / "out.tmp").exists()
 
 
 def test_a_rerun_never_touches_a_prepared_directory_or_the_source(prepared, corpus, tmp_path):
@@ -137,7 +137,7 @@ def test_preparing_a_corpus_again_makes_the_same_tokenizer_shards_and_val_keys(p
 
     def identity(folder):
         manifest = json.loads((folder / "manifest.json").read_text())
-        return manifest["tokenizer"]["sha256"], data.fingerprint(manifest), \
+        return manifest["tokenizer"]["sha256"], shards.fingerprint(manifest), \
             (folder / "val_documents.json").read_text()
     assert identity(again) == identity(prepared)
 
@@ -484,7 +484,7 @@ def test_a_hub_dataset_streams_through_load_dataset_with_its_subset_and_split(
     assert calls == [("someone/corpus", {"name": "sample-10BT", "split": "validation",
                                          "streaming": True})] * 3  # probe, sample, encode
     expected = texts[("sample-10BT", "validation")]
-    manifest = data.load_manifest(tmp_path / "o1")
+    manifest = shards.load_manifest(tmp_path / "o1")
     val_keys = json.loads((tmp_path / "o1" / manifest["splits"]["val"]["keys"]).read_text())
     val = decoded_documents(tmp_path / "o1", "val")
     assert val and [expected[int(k.split(":")[1])] for k in val_keys] == val
@@ -564,7 +564,7 @@ def test_cli_prepares_a_directory(corpus, tmp_path):
     out = tmp_path / "cli"
     prepare.main(["--source", str(corpus[0]), "--out", str(out), "--vocab_size", "300",
                "--shard_tokens", "500", "--val_fraction", "0"])
-    manifest = data.load_manifest(out)
+    manifest = shards.load_manifest(out)
     assert manifest["vocab_size"] <= 300 and manifest["splits"]["val"]["documents"] == 0
     assert all(s["tokens"] <= 500 for s in manifest["splits"]["train"]["shards"])
     with pytest.raises(ValueError, match="also pass --data_dir"):
@@ -655,7 +655,7 @@ def test_shards_hold_each_document_encoded_alone_with_many_chunks_in_flight(
 
 def test_max_tokens_stops_after_whole_documents(prepared, corpus, tmp_path):
     full = [len(d) + 1 for d in documents_of(stream(prepared, "train"),
-                                             data.load_manifest(prepared)["eos_id"])]
+                                             shards.load_manifest(prepared)["eos_id"])]
     limit = sum(full[:7]) - 3  # inside the 7th document: it is kept whole, the 8th is not
     manifest = prepare.prepare(str(corpus[0]), str(tmp_path / "capped"), shard_tokens=700,
                                val_fraction=0.2, max_tokens=limit,
@@ -707,7 +707,7 @@ def test_an_empty_val_split_is_refused_naming_the_fraction_that_fixes_it(corpus,
 
 def decoded_documents(data_dir, split) -> list[str]:
     tokenizer = Tokenizer.from_file(str(Path(data_dir) / "tokenizer.json"))
-    docs = documents_of(stream(data_dir, split), data.load_manifest(data_dir)["eos_id"])
+    docs = documents_of(stream(data_dir, split), shards.load_manifest(data_dir)["eos_id"])
     return [tokenizer.decode(d) for d in docs]
 
 
@@ -738,8 +738,8 @@ def test_val_fraction_zero_makes_no_val_split_and_says_so(prepared, corpus, tmp_
     manifest = prepare.prepare(str(corpus[0]), str(tmp_path / "no_val"), val_fraction=0.0,
                                tokenizer=str(prepared / "tokenizer.json"))
     assert manifest["splits"]["val"] == {"documents": 0, "tokens": 0, "bytes": 0, "shards": [],
-                                         "keys": data.VAL_KEYS_FILE}
-    assert json.loads((tmp_path / "no_val" / data.VAL_KEYS_FILE).read_text()) == []
+                                         "keys": shards.VAL_KEYS_FILE}
+    assert json.loads((tmp_path / "no_val" / shards.VAL_KEYS_FILE).read_text()) == []
     assert manifest["splits"]["train"]["documents"] == len(corpus[1])  # every document
     assert "data: warning: --val_fraction=0 makes no val split" in capsys.readouterr().out
 
@@ -761,7 +761,7 @@ def test_data_dir_names_the_output_and_out_is_its_alias(corpus, tmp_path):
     for flag in ("--data_dir", "--out"):
         prepare.main(["--source", str(corpus[0]), flag, str(tmp_path / flag[2:]),
                       "--vocab_size", "300", "--val_fraction", "0.2"])
-        assert data.load_manifest(tmp_path / flag[2:])["vocab_size"] <= 300
+        assert shards.load_manifest(tmp_path / flag[2:])["vocab_size"] <= 300
 
 
 @pytest.mark.parametrize("leftover, aside, says", [
@@ -784,7 +784,7 @@ def test_a_built_in_corpus_it_cannot_use_is_moved_aside_and_prepared_again(
         assert not Path(out_dir).exists()  # prepare refuses a folder that holds files
         made.append((out_dir, vocab_size))
         Path(out_dir).mkdir()
-        for name in ("manifest.json", data.VAL_KEYS_FILE):
+        for name in ("manifest.json", shards.VAL_KEYS_FILE):
             (Path(out_dir) / name).write_text("{}")
     monkeypatch.setattr(prepare, "prepare", fake_prepare)
     prepare.ensure_builtin(["data/stdlib-4k"], 4096)

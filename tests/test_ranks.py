@@ -16,13 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-import data
-import downstream
-import log
 import train
 from conftest import copy_of, micro_config
 from test_data_at_scale import single_window_evaluation
 from test_downstream import GENERIC, write_jsonl
+from plumbing import downstream, log, shards
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 3
@@ -67,7 +65,7 @@ def ranks(prepared, small_data_dir, tmp_path_factory):
     each rank wrote."""
     tmp = tmp_path_factory.mktemp("ranks")
     fresh = copy_of(small_data_dir, tmp)
-    (fresh / data.CHECKED).unlink(missing_ok=True)  # no process has hashed it
+    (fresh / shards.CHECKED).unlink(missing_ok=True)  # no process has hashed it
     task = write_jsonl(tmp / "mine.jsonl", GENERIC)
     plan = {"too_big": too_big_for_a_share(tmp / "no-data", tmp / "big"),
             "run": micro_config(str(fresh), str(tmp / "run"), micro_batch_size=2,
@@ -113,10 +111,10 @@ def test_rank_0_hashes_every_split_first_and_the_other_ranks_trust_its_record(ra
     """A corpus no process has checked: in setup, rank 0 hashes every shard of the train and
     val splits, once each, and the other ranks, opening them after it, hash none."""
     plan, wrote = ranks
-    manifest = data.load_manifest(plan["run"].data_dir)
-    shards = sorted(s["file"] for split in ("train", "val") for s in manifest["splits"][split]
-                    ["shards"])
-    assert wrote[0]["hashed"] == shards
+    manifest = shards.load_manifest(plan["run"].data_dir)
+    files = sorted(s["file"] for split in ("train", "val") for s in manifest["splits"][split]
+                   ["shards"])
+    assert wrote[0]["hashed"] == files
     assert [w["hashed"] for w in wrote[1:]] == [[]] * (WORLD - 1)
 
 

@@ -16,12 +16,11 @@ import pytest
 import torch
 from matplotlib.colors import to_rgba
 
-import checkpoint
 import config
-import log
 import report
 import train
 from conftest import micro_config
+from plumbing import checkpoint, log, overrides
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -528,7 +527,7 @@ def test_a_stable_run_and_two_anneals_from_its_checkpoint(small_data_dir, tmp_pa
 
 def test_the_nearest_preset_and_the_differences_from_it():
     assert config.nearest_preset(config.tiny()) == ("tiny", [])
-    cfg = config.apply_overrides(config.tiny(), {"out_dir": "x", "model.d_model": 128})
+    cfg = overrides.apply_overrides(config.tiny(), {"out_dir": "x", "model.d_model": 128})
     assert config.nearest_preset(cfg) == ("tiny", [("out_dir", "out/tiny", "x"),
                                                    ("model.d_model", 256, 128)])
     assert config.nearest_preset(config.stack100m())[0] == "stack100m"

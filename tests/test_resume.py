@@ -17,17 +17,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-import checkpoint
-import cli
-import config
 import export
 import optim
-import resume as resume_lib
 import train
 from conftest import micro_config
 from model import Transformer
 from test_errors import run_cli
 from test_train import cli_args
+from plumbing import checkpoint, cli, overrides
+from plumbing import resume as resume_lib
 
 
 def records(cfg) -> list[dict]:
@@ -409,7 +407,7 @@ def test_a_resume_may_not_change_what_the_checkpoint_fixes(knob, value, small_da
     otherwise meet another optimizer's state in DCP's load and read as a damaged checkpoint,
     set aside.)"""
     saved = micro_config(small_data_dir, "out")
-    resumed = config.apply_overrides(saved, {knob: value})
+    resumed = overrides.apply_overrides(saved, {knob: value})
     old = saved.model.n_layers if knob == "model.n_layers" else getattr(saved, knob)
     with pytest.raises(ValueError, match=f"^resume: {knob} {old!r} → {value!r} cannot change "
                                          f"on a resume"):

@@ -22,15 +22,14 @@ from tokenizers import Tokenizer
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-import checkpoint
-import export
 import data
-import log
+import export
 import model as model_lib
 import optim
 import train
 from conftest import copy_of, micro_config
 from model import Transformer, flops_per_token
+from plumbing import checkpoint, log, overrides, shards
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -268,7 +267,7 @@ def test_a_launched_run_leaves_its_process_group_after_every_rank_is_done(small_
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
 def test_batches_reach_the_gpu_through_pinned_memory(monkeypatch):
-    """Only from pinned memory can the non_blocking copy overlap compute: each tensor is
+    """From pinned memory a non_blocking copy spares the host the wait: each tensor is
     pinned on its way, and arrives unchanged."""
     pinned, pin = [], torch.Tensor.pin_memory
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinned.append(t) or pin(t))
@@ -630,7 +629,7 @@ def independent_val_sums(cfg, model) -> dict:
     eval_tokens covers the split): Σ CE from F.cross_entropy on the full logits (float64),
     Σ logsumexp², the number of targets, and their UTF-8 bytes, each target decoded on its
     own by the tokenizer (special tokens decode to nothing) and its bytes counted here."""
-    tokenizer = Tokenizer.from_file(data.tokenizer_path(cfg.data_dir))
+    tokenizer = Tokenizer.from_file(shards.tokenizer_path(cfg.data_dir))
     loader = data.PackedShardLoader(cfg.data_dir, "val", cfg.seq_len, cfg.micro_batch_size,
                                     seed=cfg.seed)
     assert loader.windows_per_epoch % cfg.micro_batch_size == 0  # whole batches, no remainder
@@ -739,7 +738,7 @@ def test_bf16_training_tracks_fp32(tmp_path):
     import config
     runs = {}
     for precision in ("bf16", "no"):
-        cfg = config.apply_overrides(config.tiny(), {
+        cfg = overrides.apply_overrides(config.tiny(), {
             "out_dir": str(tmp_path / precision), "mixed_precision": precision,
             "compile_model": "false", "total_steps": 200, "stop_at_step": 200,
             "log_every": 10, "eval_every": 200, "ckpt_every": 1000})
@@ -774,7 +773,7 @@ def test_a_damaged_val_split_is_refused_in_setup(small_data_dir, tmp_path):
     """Every data mistake fails before any compute: a val shard that differs from its
     manifest stops setup itself, not the step-0 evaluation."""
     data_dir = copy_of(small_data_dir, tmp_path)
-    manifest = data.load_manifest(data_dir)
+    manifest = shards.load_manifest(data_dir)
     shard = data_dir / manifest["splits"]["val"]["shards"][0]["file"]
     raw = bytearray(shard.read_bytes())
     raw[10] ^= 1

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator, PartialState
 
-from cli import is_rank0
+from plumbing.cli import is_rank0
 
 
 def make_accelerator(cfg) -> Accelerator:
@@ -85,11 +85,9 @@ def cpu_computes_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return bool(flags & BF16_CPU_FLAGS)
 
 
-# On a CPU, a run shorter than this many optimizer steps stays eager. Measured on 2 cores
-# with AVX512_BF16 (README's Measured figures): compiled blocks saved 0.03 s of tiny's 0.60 s
-# bf16 step, and cost about 13 s over a whole run (the first step, then evaluation's and the
-# sample's own graphs), so it paid back after about 420 steps: tiny's 300 steps ran 221.5 s
-# compiled against 217.7 s eager.
+# On a CPU, a run shorter than this many optimizer steps stays eager: compiling costs more
+# over a whole run (the first step, then evaluation's and the sample's own graphs) than it
+# saves in its steps, up to about 420 of tiny's steps on 2 cores (docs/figures.md).
 CPU_COMPILE_MIN_STEPS = 500
 
 

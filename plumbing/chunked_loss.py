@@ -98,7 +98,8 @@ class ChunkedCrossEntropyZLoss(torch.autograd.Function):
 
 def chunk_buffer(hidden, weight, chunk_size: int, dtype: torch.dtype):
     """One (chunk, V) buffer reused by every chunk: on CPU a fresh one per chunk made the
-    head matmul ~35% slower (the allocator hands back new pages that must be faulted in)."""
+    head matmul slower (docs/figures.md; the allocator hands back new pages that must be
+    faulted in)."""
     rows = min(chunk_size, hidden.shape[0])
     return torch.empty(rows, weight.shape[0], dtype=dtype, device=weight.device)
 

@@ -11,8 +11,8 @@ for a non-finite loss or gradient norm), `checkpoint`, `sample` (the end-of-run 
 start ended: finished, stopped, or the error). A restart appends to it; a step logged twice
 (redone after a crash) counts once, its last record, when report.py reads it back.
 
-Every value the logger gets is already global (reduced across ranks by the loop); only the
-main process writes.
+The losses, gradient norm, counts and evaluations the logger gets are global (reduced across
+ranks by the loop); memory and times are rank 0's own; only the main process writes.
 
 Imports from stacklm: config (the nearest preset and the schedule's phases, for the start
 record) and model (the parameter and FLOP counts of a config, for the memory check before
@@ -55,9 +55,10 @@ def model_flops(cfg) -> dict[str, float]:
     return {c: flops_per_token(cfg.model, cfg.seq_len, c) for c in ("causal", "palm")}
 
 
-def code_revision(root=Path(__file__).resolve().parent) -> str:
-    """The git commit of the code that runs, `-dirty` appended if tracked files changed
-    since; "unknown" outside a git checkout of its own (a copied tree) or without git."""
+def code_revision(root=Path(__file__).resolve().parent.parent) -> str:
+    """The git commit of the code that runs (the repository this package sits in), `-dirty`
+    appended if tracked files changed since; "unknown" outside a git checkout of its own (a
+    copied tree) or without git."""
     def git(*args) -> str:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
@@ -212,21 +213,21 @@ MEM_COLUMN = {"cuda": "the log's mem column is the measured peak of allocated te
 
 
 @dataclasses.dataclass
-class Start:
+class RunFacts:
     """What one start of the run is, beside its config: the banner prints it and the `start`
     record of metrics.jsonl keeps it, so that report.py can describe the whole run from
     out_dir alone (old checkpoints are pruned)."""
     hardware: Hardware
     revision: str  # the git revision of the code that runs (code_revision)
-    plan: list[dict]  # config.data_plan's rows: each stage's sources, tokens and epochs
-    evaluated: dict[str, float]  # the sources with a val split and their shares of val_loss
+    data_plan: list[dict]  # config.data_plan's rows: each stage's sources, tokens and epochs
+    eval_sources: dict[str, float]  # the sources with a val split and their shares of val_loss
     val_windows: dict[str, int]  # the windows of seq_len in each evaluated source's val split
     tasks: dict[str, dict] = dataclasses.field(default_factory=dict)  # downstream.describe's
     resumed_from: str | None = None  # the checkpoint this start continues
     resume_changes: list = dataclasses.field(default_factory=list)  # (knob, old, new)
 
 
-def start_record(cfg, start: Start, step: int, tokens_seen: int) -> dict:
+def start_record(cfg, facts: RunFacts, step: int, tokens_seen: int) -> dict:
     """metrics.jsonl's `start` record: where this start begins, the config and how it differs
     from its nearest preset, the code, the hardware, the data plan, the schedule's phases,
     and what a resume continued and changed."""
@@ -234,25 +235,27 @@ def start_record(cfg, start: Start, step: int, tokens_seen: int) -> dict:
     return {"step": step, "tokens_seen": tokens_seen,
             "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "preset": preset, "preset_changes": preset_changes,
-            "config": dataclasses.asdict(cfg), "revision": start.revision,
-            "hardware": dataclasses.asdict(start.hardware), "plan": start.plan,
+            "config": dataclasses.asdict(cfg), "revision": facts.revision,
+            "hardware": dataclasses.asdict(facts.hardware), "plan": facts.data_plan,
             "phases": config.wsd_phases(cfg)._asdict(),
-            "resumed_from": start.resumed_from, "resume_changes": start.resume_changes}
+            "resumed_from": facts.resumed_from, "resume_changes": facts.resume_changes}
 
 
-def banner(cfg, start: Start, model, optimizers, schedule: str, flops: dict[str, float]) -> str:
+def banner(cfg, facts: RunFacts, model, optimizers, schedule: str,
+           flops: dict[str, float]) -> str:
     """Everything a practitioner checks before trusting a run, with units.
 
     `optimizers` is optim.Optimizers (its summary() is one line with a part per group, read
     before accelerate.prepare wraps them); `schedule` optim.schedule_summary's line; `flops` the
     FLOP/token of both conventions ("causal", "palm")."""
-    hardware = start.hardware
+    hardware = facts.hardware
     n_params = sum(p.numel() for p in model.parameters())
     muon = optimizers.named.get("muon")
     n_muon = sum(p.numel() for g in muon.param_groups for p in g["params"]) if muon else 0
     budget = memory_estimate(cfg, n_params, n_muon, hardware.world,
                              hardware.distributed == "FSDP2", hardware.precision == "bf16")
-    unevaluated = [row["source"] for row in start.plan if row["source"] not in start.evaluated]
+    unevaluated = [row["source"] for row in facts.data_plan
+                   if row["source"] not in facts.eval_sources]
     lines = [
         f"model: {n_params / 1e6:.2f}M parameters ({optimizers.summary()})",
         f"FLOP/token: {flops['causal']:.3e} causal, {flops['palm']:.3e} palm "
@@ -262,18 +265,18 @@ def banner(cfg, start: Start, model, optimizers, schedule: str, flops: dict[str,
         f"{cfg.total_steps:,}",
         *(f"data from step {row['start']:,}: {row['source']} × {row['weight']:.3g}, "
           f"{row['available']:,} train tokens/epoch; this run reads {row['planned']:,} tokens "
-          f"= {row['planned'] / row['available']:.2f} epochs" for row in start.plan),
+          f"= {row['planned'] / row['available']:.2f} epochs" for row in facts.data_plan),
         *([f"val: {', '.join(dict.fromkeys(unevaluated))} has no val split: trained on, "
            f"not evaluated; val_loss is the mean of "
-           + ", ".join(f"{d} × {w:.3g}" for d, w in start.evaluated.items())]
+           + ", ".join(f"{d} × {w:.3g}" for d, w in facts.eval_sources.items())]
           if unevaluated else []),
-        *eval_coverage(cfg, start.val_windows),
-        *([downstream_coverage(cfg, start.tasks)] if start.tasks else []),
+        *eval_coverage(cfg, facts.val_windows),
+        *([downstream_coverage(cfg, facts.tasks)] if facts.tasks else []),
         f"hardware: {hardware.world} × {hardware.device} ({hardware.distributed}), "
         f"precision {hardware.precision} ({hardware.precision_why}; mixed_precision="
         f"{cfg.mixed_precision} wins over a launch config's), compile {hardware.compiled} "
         f"({hardware.compile_why}), activation recompute {cfg.activation_recompute}",
-        f"code: {start.revision}",
+        f"code: {facts.revision}",
         "memory estimate per rank: " + " + ".join(
             f"{k} {v:.2f}" for k, v in budget.items() if k != "total")
         + f" = {budget['total']:.2f} GiB ({MEM_COLUMN[hardware.device.split(':')[0]]})",
@@ -337,7 +340,7 @@ def downstream_coverage(cfg, tasks: dict[str, dict]) -> str:
 
 # report.py, which the logger runs as a command: in a process of its own, drawing never
 # holds up training, and a fault in it can never stop a run.
-REPORT_SCRIPT = Path(__file__).with_name("report.py")
+REPORT_SCRIPT = Path(__file__).resolve().parent.parent / "report.py"
 # A run that ends any other way than finishing (a SIGTERM or Ctrl-C stop, an error) waits
 # this long for its report, then leaves it to `python report.py`: the launcher's shutdown
 # timeout is 30 s, and the step in flight and the checkpoint come first.
@@ -351,7 +354,7 @@ class ReportProcess:
     def __init__(self, out_dir: str, say):
         self.out_dir, self.say, self.process = out_dir, say, None
 
-    def start(self, final: bool):
+    def draw(self, final: bool):
         """A checkpoint's report runs --quiet; the final one prints where the report is
         (and, for the `tiny` preset, how the run compares with the reference seeds)."""
         if self.drawing():
@@ -368,7 +371,7 @@ class ReportProcess:
         """The report of the whole run, after the end record: let a checkpoint's report that
         still draws finish, then draw once more, and wait."""
         if self.wait(deadline):
-            self.start(final=True)
+            self.draw(final=True)
             self.wait(deadline)
 
     def wait(self, deadline: float | None) -> bool:
@@ -406,7 +409,7 @@ class MetricsLogger:
         self.flops = flops
         cuda = device.type == "cuda"
         self.peak = peak_flops(torch.cuda.get_device_name(device) if cuda else "cpu")
-        self.start = time.perf_counter()
+        self.opened = time.perf_counter()  # when this start's logging began
         self.last_step, self.last_seconds = start_step, 0.0
         self.step = start_step  # the newest step recorded
         self.report = ReportProcess(cfg.out_dir, self.print) \
@@ -439,7 +442,7 @@ class MetricsLogger:
         outcome = "finished" if finished else "stopped" if exc is None else "error"
         self.write({"kind": "end", "step": self.step, "outcome": outcome,
                     "error": None if exc is None else f"{exc_type.__name__}: {exc}",
-                    "elapsed_s": time.perf_counter() - self.start})
+                    "elapsed_s": time.perf_counter() - self.opened})
         self.jsonl.close()
         if self.report is not None and exc_type is not KeyboardInterrupt:
             self.report.final(None if finished else time.monotonic() + STOP_REPORT_WAIT_S)
@@ -471,7 +474,7 @@ class MetricsLogger:
         """A checkpoint was written at `step`: record it, and redraw the report."""
         self.write({"kind": "checkpoint", "step": step, "seconds": seconds})
         if self.report is not None:
-            self.report.start(final=False)
+            self.report.draw(final=False)
 
     def log_sample(self, step: int, prompt: str, text: str):
         self.print(f"sample ({prompt!r} →):\n{text}")
@@ -500,7 +503,7 @@ class MetricsLogger:
             "mfu": tflops / peak_tflops if peak_tflops else None,
             "mfu_palm": tflops_palm / peak_tflops if peak_tflops else None,
             "memory_gib": memory_gib(self.device), "skipped_steps": run.skipped_steps,
-            "elapsed_s": time.perf_counter() - self.start,
+            "elapsed_s": time.perf_counter() - self.opened,
             "eta_s": (self.cfg.stop_at_step - step) * seconds / steps,
         }
         self.last_step, self.last_seconds = step, train_seconds

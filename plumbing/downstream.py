@@ -54,7 +54,7 @@ the first N documents too).
                     built-in corpus's val files (nextline_task)
     any other name  JSONL of {"context": str, "choices": [str, ...], "gold": int}
 
-Imports from stacklm: config (the task list's syntax), data (a corpus's manifest and its
+Imports from stacklm: config (the task list's syntax), shards (a corpus's manifest and its
 val documents' keys) and prepare (how a key names a document, and reading it).
 """
 
@@ -73,8 +73,8 @@ import torch
 from tokenizers import Tokenizer
 
 import config
-import data
 import prepare
+from plumbing import shards
 
 # The next-line task. Lines shorter than this (`else:`, `)`) recur across files, so a
 # distractor could be the answer itself; each context is the whole lines before the answer
@@ -139,7 +139,7 @@ def corpora(cfg) -> list[str]:
 def load_tasks(cfg, data_dir: str, world: int) -> list[Task]:
     """Every task of cfg.downstream: read, checked, encoded with the run's tokenizer (that
     of data_dir, its first source) and packed for `world` ranks, before any compute."""
-    tokenizer = Tokenizer.from_file(data.tokenizer_path(data_dir))
+    tokenizer = Tokenizer.from_file(shards.tokenizer_path(data_dir))
     tasks = []
     for name, path in config.parse_downstream(cfg.downstream):
         if name == "nextline":
@@ -293,7 +293,7 @@ def nextline_task(path: str | None, data_dir: str) -> tuple[list[Item], str]:
                              f"prepare it with a larger --val_fraction, point it at a larger "
                              f"corpus, or pass --downstream=nextline ({NEXTLINE_FALLBACK})")
         return items, f"{path}'s val documents"
-    texts, why, _ = read_back(data.load_manifest(data_dir), data_dir)
+    texts, why, _ = read_back(shards.load_manifest(data_dir), data_dir)
     items = nextline_items(texts)
     if items:
         return items, f"{data_dir}'s val documents"
@@ -344,7 +344,7 @@ def val_documents(data_dir: str) -> list[str]:
     """The texts of a prepared corpus's val documents, in stream order (read_back), or a
     refusal naming why they cannot be read and what would serve."""
     try:
-        manifest = data.load_manifest(data_dir, flag="--downstream=nextline:")
+        manifest = shards.load_manifest(data_dir, flag="--downstream=nextline:")
     except (OSError, ValueError) as e:
         raise ValueError(f"downstream task nextline:{data_dir}: {e}") from None
     texts, why, fix = read_back(manifest, data_dir)
@@ -361,7 +361,7 @@ def read_back(manifest: dict, data_dir: str) -> tuple[list[str], str | None, str
     keys_file = manifest["splits"]["val"].get("keys")
     if not keys_file:
         return [], (f"{data_dir} was prepared by an older stacklm, which did not list its val "
-                    f"documents ({data.VAL_KEYS_FILE})"), "prepare it again"
+                    f"documents ({shards.VAL_KEYS_FILE})"), "prepare it again"
     keys = json.loads((Path(data_dir) / keys_file).read_text())
     source = manifest["source"]
     if prepare.from_dataset(source, keys):

@@ -15,10 +15,10 @@ from pathlib import Path
 
 from accelerate.utils import gather_object
 
-import checkpoint
-from checkpoint import DamagedCheckpointError, UnsafeCheckpointError, read_train_state
-from cli import NothingToDo
 from config import TrainConfig, differences
+from plumbing import checkpoint
+from plumbing.checkpoint import DamagedCheckpointError, UnsafeCheckpointError, read_train_state
+from plumbing.cli import NothingToDo
 
 def candidates(cfg: TrainConfig) -> list[Path]:
     """The checkpoints this run may continue, in the order to try them, by cfg.resume:
@@ -133,7 +133,7 @@ def restore(run, path: Path):
     now win, except those that cannot change; data stages may change only where they have
     not begun."""
     state = read_train_state(path)
-    lines, run.start.resume_changes = check_resume(run.cfg, run.stages, state)
+    lines, run.facts.resume_changes = check_resume(run.cfg, run.stages, state)
     run.accelerator.print("\n".join(lines), end="\n" if lines else "")
     run.load_state_dict(state)  # the loader refuses changed sources: before any I/O
     checkpoint.load(run.accelerator, run.accelerator.unwrap_model(run.model),

@@ -9,7 +9,8 @@ manifest, the tasks, the data plan, what an evaluation reads, the hardware) is w
 banner and metrics.jsonl's start record say; the warnings it collects are printed after
 the banner.
 
-Imports from stacklm: config, data, downstream, launch, log and prepare: it composes them.
+Imports from stacklm: config, data, downstream, launch, log, prepare and shards: it
+composes them.
 """
 
 import os
@@ -17,10 +18,8 @@ from typing import NamedTuple
 
 import config
 import data
-import downstream
-import launch
-import log
 import prepare
+from plumbing import downstream, launch, log, shards
 
 
 class Plan(NamedTuple):
@@ -28,8 +27,10 @@ class Plan(NamedTuple):
     stages: list[data.Stage]  # the data stages: which sources, by weight, from which step
     manifests: dict[str, dict]  # each source's manifest.json
     tasks: list[downstream.Task]  # the multiple-choice tasks scored beside the val loss
-    start: log.Start  # what this start is: hardware, code, data plan, evaluated sources
+    eval_sources: dict[str, float]  # the sources evaluated, and their shares of val_loss
+    compile: bool  # torch.compile each block (launch.use_compile)
     sharded: bool  # FSDP2: the launch config asks for it (launch.fsdp_launch)
+    facts: log.RunFacts  # what the banner and metrics.jsonl's start record say of this start
     warnings: list[str]  # printed after the banner
 
 
@@ -48,17 +49,18 @@ def check(cfg, accelerator, force: bool) -> Plan:
     with accelerator.main_process_first():  # rank 0 prepares the built-in corpus if missing
         if accelerator.is_main_process:
             prepare.ensure_builtin(sources + downstream.corpora(cfg), cfg.model.vocab_size)
-    manifests = data.check_sources(sources, cfg.model.vocab_size)
+    manifests = shards.check_sources(sources, cfg.model.vocab_size)
     tasks = downstream.load_tasks(cfg, sources[0], accelerator.num_processes)
-    evaluated = data.val_shares(stages, manifests)  # sources with a val split, by weight
-    plan = config.data_plan(cfg, stages, {d: data.windows_per_epoch(m, "train", cfg.seq_len)
-                                          * cfg.seq_len for d, m in manifests.items()})
-    warnings += config.check_epochs(cfg, plan)  # refuses past --max_epochs
+    eval_sources = data.val_shares(stages, manifests)  # sources with a val split, by weight
+    data_plan = config.data_plan(cfg, stages, {d: data.windows_per_epoch(m, "train", cfg.seq_len)
+                                               * cfg.seq_len for d, m in manifests.items()})
+    warnings += config.check_epochs(cfg, data_plan)  # refuses past --max_epochs
     # Rank 0 opens every split first, hashing its shards; the others read its record.
     with accelerator.main_process_first():
         val_windows = {d: data.PackedShardLoader(d, "val", cfg.seq_len, 1).windows_per_epoch
-                       for d in evaluated}
-    hardware = log.hardware(accelerator, sharded, launch.use_compile(cfg), why)
-    start = log.Start(hardware, log.code_revision(), plan, evaluated, val_windows,
-                      downstream.describe(tasks))
-    return Plan(stages, manifests, tasks, start, sharded, warnings)
+                       for d in eval_sources}
+    compile_, compile_why = launch.use_compile(cfg)
+    hardware = log.hardware(accelerator, sharded, (compile_, compile_why), why)
+    facts = log.RunFacts(hardware, log.code_revision(), data_plan, eval_sources, val_windows,
+                         downstream.describe(tasks))
+    return Plan(stages, manifests, tasks, eval_sources, compile_, sharded, facts, warnings)

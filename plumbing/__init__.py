@@ -1,0 +1,19 @@
+"""The run's plumbing: everything a training run needs around the lesson (train.py,
+model.py, data.py, optim.py and config.py at the top of the repository), one concern a
+file, each with a docstring that says what it holds:
+
+    preflight      every refusal before any work, and the banner's facts
+    launch         the Accelerator, precision and compile, the launch config's keys, the
+                   signals a scheduler sends, the outcome file, leaving the process group
+    resume         which checkpoint a run continues, and what a resume may change
+    checkpoint     a checkpoint's files: atomic DCP save, reading without running code, RNG
+    log            the banner, the memory estimate, the log line, MFU, metrics.jsonl, wandb
+    downstream     the multiple-choice tasks scored in the loop, as lm-eval scores them
+    chunked_loss   the loss head at scale: cross-entropy + z-loss without the logits
+    shards         a prepared folder's manifest, shard checks and their error hints
+    overrides      a run's config from a TOML file and --key=value flags, and --help
+    cli            the one-line errors every command shares
+    hf_modeling_stacklm   the modelling file a transformers export carries (not imported)
+
+Imports from stacklm: nothing.
+"""
