@@ -285,11 +285,11 @@ def test_bad_downstream_knobs_are_refused(overrides, message, tmp_path):
 
 
 def test_readmes_piqa_merge_runs_as_written_and_gives_piqa_items(tmp_path):
-    """README's Python lines that merge PIQA's valid-labels.lst into valid.jsonl, run as
+    """docs/tasks.md's Python lines that merge PIQA's valid-labels.lst into valid.jsonl, run as
     written in a fresh folder holding the two downloaded files: the file they write reads as
     piqa items, each gold the label of its line."""
     snippet = next(block for block in re.findall(r"```python\n(.*?)```",
-                                                 (REPO / "README.md").read_text(), re.S)
+                                                 (REPO / "docs" / "tasks.md").read_text(), re.S)
                    if "valid-labels.lst" in block)
     goals = [{"goal": f"goal {i}", "sol1": f"first {i}", "sol2": f"second {i}"} for i in range(3)]
     write_jsonl(tmp_path / "valid.jsonl", goals)

@@ -170,9 +170,10 @@ def test_export_format_hf_writes_the_checkpoint_as_a_transformers_folder(
     assert hf.config.stacklm_revision == log.code_revision()
     assert dataclasses.asdict(cfg.model)["nope_every"] == 2  # micro_config's NoPE layers
 
-    # README's Python lines, as written, on this folder, with no terminal to answer a
+    # docs/checkpoints.md's Python lines, as written, on this folder, with no terminal to answer a
     # question: transformers asks before it runs a folder's code unless it is told it may.
-    snippet = re.search(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)[1]
+    snippet = re.search(r"```python\n(.*?)```", (REPO / "docs" / "checkpoints.md").read_text(),
+                        re.S)[1]
     done = subprocess.run([sys.executable, "-c", snippet.replace("out/tiny/export-hf",
                                                                  str(tmp_path / "export-hf"))],
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)

@@ -94,10 +94,10 @@ def test_a_plain_loss_head_is_estimated_for_all_its_rows():
 
 
 def test_readmes_memory_table_is_the_banners_estimate():
-    """README's overrides per GPU memory quote the start-up banner's estimate for Stack-100M
+    """docs/scale.md's overrides per GPU memory quote the start-up banner's estimate for Stack-100M
     on one bf16 GPU (per rank, unsharded: DDP's too), to the digits shown; "none" is the
     preset itself, micro-batch 32 without recomputation."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parent.parent / "docs" / "scale.md").read_text()
     section = readme.split("| GPU memory | overrides | estimate |", 1)[1].split("\n\n", 1)[0]
     rows = re.findall(r"^\| [^|]+ \| (.+?) \| ([\d.]+) GiB \|$", section, re.M)
     assert len(rows) == 3 and rows[0][0] == "none (micro 32, no recomputation)"

@@ -1,15 +1,21 @@
-"""Every command README.md documents runs as written (a few steps where it trains), in
-README's order, in one checkout; and the test command still passes in that checkout.
+"""Every command README.md and the docs pages it links document runs as written (a few
+steps where it trains), in the pages' order, in one checkout; and the test command still
+passes in that checkout.
 
-The commands are read out of README.md itself: its ```bash blocks and the backticked
-commands of its tables. Each must have an entry in HOW, so a new command in README fails
-this test until it is run here too (or its skip is explained)."""
+The commands are read out of the pages themselves: README.md, then each docs/*.md page in
+the order README first links it. A page's commands are its ```bash blocks and the
+backticked commands of its tables. Each must have an entry in HOW, in the same order, so a
+new or moved command fails this test until it is run here too (or its skip is explained).
+
+README and each docs page also keep the issue 46 promise on their prose: README at most
+2,500 words, every page's median sentence at most 22 words (prose_figures)."""
 
 import json
 import os
 import re
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -36,14 +42,20 @@ NO_REPORT = FEW_STEPS + ["--write_report=false"]
 # The anneals branch from the stable run's checkpoint, which FEW_STEPS puts at step 2.
 ANNEAL_FROM_STEP_2 = NO_REPORT + ["--stop_at_step=4", "--resume=out/tiny-stable/ckpt/step_0000002"]
 
-# README command -> ("run", extra flags) or ("skip", why). Order matters: later commands
-# use what earlier ones made (the tiny run's checkpoint, the prepared corpus).
+# Command -> ("run", extra flags) or ("skip", why), in the pages' order (docs_pages), which
+# is the order they run in: later commands use what earlier ones made (the tiny run's
+# checkpoint, the prepared corpus).
 HOW = {
+    # README.md
     "pip install -r requirements.txt": ("skip", "CI installs requirements-dev.txt, which "
                                                 "includes it, before running the tests"),
     "python train.py --preset tiny": ("run", FEW_STEPS),
     "pip install -r requirements-dev.txt": ("skip", "CI runs exactly this before the tests"),
     "python -m pytest -q": ("skip", "this is the test command itself"),
+    "python train.py --preset tiny --muon_peak_lr=0.01 --model.n_layers=6 "
+    "--out_dir=out/tiny6": ("run", NO_REPORT),
+    "python train.py --config run.toml": ("run", NO_REPORT),
+    # docs/report.md
     "python train.py --preset tiny --stop_at_step=240 --out_dir=out/tiny-stable": (
         "run", NO_REPORT),
     "python train.py --preset tiny --resume=out/tiny-stable/ckpt/step_0000240 "
@@ -52,9 +64,42 @@ HOW = {
     "--out_dir=out/tiny-anneal-linear": ("run", ANNEAL_FROM_STEP_2),
     "python report.py out/tiny-stable out/tiny-anneal-sqrt out/tiny-anneal-linear "
     "--out out/compare": ("run", []),
-    "python train.py --preset tiny --muon_peak_lr=0.01 --model.n_layers=6 "
-    "--out_dir=out/tiny6": ("run", NO_REPORT),
-    "python train.py --config run.toml": ("run", NO_REPORT),
+    # docs/data.md
+    "python prepare.py --source HuggingFaceFW/fineweb-edu --subset sample-100BT "
+    "--max_tokens 20_000_000_000 --data_dir data/fwe": (
+        "skip", "downloads a Hugging Face dataset; the datasets path (subset, split) runs "
+                "the real library over a local copy of a hub layout in tests/test_prepare.py"),
+    "python prepare.py --source HuggingFaceTB/smollm-corpus --subset fineweb-edu-dedup "
+    "--max_tokens 20_000_000_000 --data_dir data/fwe-dedup": (
+        "skip", "downloads a Hugging Face dataset, as the command above"),
+    "python train.py --preset stack100m --data_dir=data/fwe": (
+        "skip", "trains on the download above; the same command runs on data/mycorpus below"),
+    "hf download HuggingFaceFW/fineweb-edu --include \"sample/10BT/*\" --repo-type dataset "
+    "--local-dir data/raw/fineweb-edu": (
+        "skip", "downloads; make_corpus writes two parquet shards where it leaves them"),
+    'python prepare.py --source "data/raw/fineweb-edu/sample/10BT/*.parquet" '
+    "--max_tokens 20_000_000_000 --data_dir data/fwe": ("run", []),
+    'python prepare.py --source "data/raw/corpus/*.txt" --data_dir data/mycorpus': ("run", []),
+    "python prepare.py --source data/raw/docs.jsonl --text_field body --data_dir data/docs": (
+        "run", []),
+    "python prepare.py --source data/raw/more.txt --tokenizer data/mycorpus/tokenizer.json "
+    "--data_dir data/more": ("run", []),
+    "python prepare.py --verify data/mycorpus": ("run", []),
+    "python train.py --preset stack100m --data_dir=data/mycorpus": ("run", CPU_STAND_IN),
+    # docs/tasks.md
+    "python train.py --preset tiny --downstream=nextline:data/stdlib-4k,hellaswag:data/tasks/"
+    "hellaswag_val.jsonl,arc_easy:data/tasks/ARC-Easy-Test.jsonl,piqa:data/tasks/"
+    "piqa_valid.jsonl --out_dir=out/tiny-tasks": ("run", NO_REPORT),
+    # docs/checkpoints.md
+    "python export.py out/tiny": ("run", []),
+    'python sample.py --export out/tiny/export --prompt "def " --num_samples 2': (
+        "run", ["--max_new_tokens=8"]),
+    "python export.py out/tiny --format hf": ("run", []),
+    "lm_eval --model hf --model_args pretrained=out/tiny/export-hf,trust_remote_code=True "
+    "--tasks hellaswag,arc_easy,piqa --batch_size 32": (
+        "skip", "lm-evaluation-harness downloads its tasks; the folder it loads is tested "
+                "against transformers in tests/test_hf_export.py"),
+    # docs/scale.md
     "accelerate launch --config_file accelerate_configs/single_gpu.yaml train.py": ("skip", GPU),
     "accelerate launch --config_file accelerate_configs/ddp.yaml train.py": ("skip", GPU),
     "accelerate launch --config_file accelerate_configs/fsdp2.yaml train.py": ("skip", GPU),
@@ -68,29 +113,8 @@ HOW = {
     "--preset tiny --micro_batch_size=8 --out_dir=out/tiny-fsdp2": (
         "skip", "tests/test_fsdp.py launches train.py with this launch config on 2 CPU "
                 "processes, start to finish, then stopped, resumed and exported"),
-    'python prepare.py --source "data/raw/corpus/*.txt" --data_dir data/mycorpus': ("run", []),
-    "python prepare.py --source data/raw/docs.jsonl --text_field body --data_dir data/docs": (
-        "run", []),
-    "python prepare.py --source HuggingFaceFW/fineweb-edu --subset sample-100BT "
-    "--max_tokens 20_000_000_000 --data_dir data/fwe": (
-        "skip", "downloads a Hugging Face dataset; the datasets path (subset, split) runs "
-                "the real library over a local copy of a hub layout in tests/test_prepare.py"),
-    "python prepare.py --source HuggingFaceTB/smollm-corpus --subset fineweb-edu-dedup "
-    "--max_tokens 20_000_000_000 --data_dir data/fwe-dedup": (
-        "skip", "downloads a Hugging Face dataset, as the command above"),
-    "hf download HuggingFaceFW/fineweb-edu --include \"sample/10BT/*\" --repo-type dataset "
-    "--local-dir data/raw/fineweb-edu": (
-        "skip", "downloads; make_corpus writes two parquet shards where it leaves them"),
-    'python prepare.py --source "data/raw/fineweb-edu/sample/10BT/*.parquet" '
-    "--max_tokens 20_000_000_000 --data_dir data/fwe": ("run", []),
-    "python train.py --preset stack100m --data_dir=data/fwe": (
-        "skip", "trains on the download above; the same command runs on data/mycorpus below"),
-    "python prepare.py --source data/raw/more.txt --tokenizer data/mycorpus/tokenizer.json "
-    "--data_dir data/more": ("run", []),
-    "python prepare.py --verify data/mycorpus": ("run", []),
-    "python train.py --preset stack100m --data_dir=data/mycorpus": ("run", CPU_STAND_IN),
-    # The recipe: the downloads are skipped, and a local stand-in of each is prepared at the
-    # same path, so that the recipe's own training commands run as written.
+    # docs/recipe.md. The downloads are skipped, and a local stand-in of each is prepared
+    # at the same path, so that the recipe's own training commands run as written.
     "python prepare.py --source HuggingFaceTB/smollm-corpus --subset fineweb-edu-dedup "
     "--max_tokens 17_000_000_000 --data_dir data/fwe-dedup": (
         "instead", "downloads; stand-in: python prepare.py --source data/raw/corpus "
@@ -113,32 +137,78 @@ HOW = {
     "--stop_at_step=38147 --anneal_data_dir=data/cosmo:1,data/finemath:1 "
     "--resume=out/smollm/ckpt/step_0034332 --out_dir=out/anneal-b": (
         "run", CPU_STAND_IN + ["--stop_at_step=4", "--resume=out/smollm/ckpt/step_0000002"]),
-    "python export.py out/tiny": ("run", []),
-    "python export.py out/tiny --format hf": ("run", []),
-    "lm_eval --model hf --model_args pretrained=out/tiny/export-hf,trust_remote_code=True "
-    "--tasks hellaswag,arc_easy,piqa --batch_size 32": (
-        "skip", "lm-evaluation-harness downloads its tasks; the folder it loads is tested "
-                "against transformers in tests/test_hf_export.py"),
-    "python train.py --preset tiny --downstream=nextline:data/stdlib-4k,hellaswag:data/tasks/"
-    "hellaswag_val.jsonl,arc_easy:data/tasks/ARC-Easy-Test.jsonl,piqa:data/tasks/"
-    "piqa_valid.jsonl --out_dir=out/tiny-tasks": ("run", NO_REPORT),
-    'python sample.py --export out/tiny/export --prompt "def " --num_samples 2': (
-        "run", ["--max_new_tokens=8"]),
 }
 
 
+def docs_pages() -> list[Path]:
+    """README.md, then each docs page README links, in the order of its first link."""
+    linked = re.findall(r"\]\((docs/[\w-]+\.md)(?:#[\w-]*)?\)", (REPO / "README.md").read_text())
+    return [REPO / "README.md"] + [REPO / page for page in dict.fromkeys(linked)]
+
+
 def readme_commands() -> list[str]:
-    text = (REPO / "README.md").read_text()
+    """Every page's commands, page by page, each page's in the order they stand in it."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-        for line in block.splitlines():
-            line = line.split("  #")[0].strip()
-            commands += [part.strip() for part in line.split("&&") if part.strip()]
-    commands += re.findall(r"\| `((?:accelerate launch|sbatch) [^`]*)` \|", text)
+    for page in docs_pages():
+        text = page.read_text()
+        found = []  # (where it stands, command)
+        for block in re.finditer(r"```bash\n(.*?)```", text, re.S):
+            for line in block[1].splitlines():
+                line = line.split("  #")[0].strip()
+                found += [(block.start(), part.strip()) for part in line.split("&&")
+                          if part.strip()]
+        found += [(row.start(), row[1]) for row in
+                  re.finditer(r"\| `((?:accelerate launch|sbatch) [^`]*)` \|", text)]
+        commands += [command for _, command in sorted(found, key=lambda f: f[0])]
     return commands
 
 
-# What make_corpus writes: README's local inputs, at README's paths, and run.toml.
+def prose_figures(text: str) -> tuple[int, float]:
+    """Words of prose and the median sentence's words, as issue 46 measures them: code
+    blocks and table rows left out, sentences split on . ! ? before whitespace, fragments
+    of two words or fewer ignored."""
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    prose = "\n".join(line for line in prose.splitlines() if not line.lstrip().startswith("|"))
+    sentences = [s for s in re.split(r"(?<=[.!?])\s+", re.sub(r"\s+", " ", prose))
+                 if len(s.split()) > 2]
+    return len(prose.split()), statistics.median(len(s.split()) for s in sentences)
+
+
+def test_readme_reads_in_ten_minutes():
+    """README at most 2,500 words of prose with a median sentence of at most 22 words; each
+    docs page's median sentence at most 22 words too. Every docs page is linked from
+    README, so none of its commands escapes the test below."""
+    words, median = prose_figures((REPO / "README.md").read_text())
+    assert words <= 2500 and median <= 22, (words, median)
+    for page in sorted((REPO / "docs").glob("*.md")):
+        assert prose_figures(page.read_text())[1] <= 22, page.name
+    assert set(docs_pages()[1:]) == set((REPO / "docs").glob("*.md"))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but - and _ dropped, each
+    space a hyphen."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_pages_resolves():
+    """Each relative link of README and the docs pages names a file that exists, and an
+    anchor that one of that page's headings makes."""
+    for page in docs_pages():
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"\w+:", target):
+                continue  # a web address
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.exists(), f"{page.name}: {target}"
+            if anchor:
+                headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", linked.read_text(),
+                                                            flags=re.S), re.M)
+                assert anchor in {slug(h) for h in headings}, f"{page.name}: {target}"
+
+
+# What make_corpus writes: the pages' local inputs, at their paths, and run.toml.
 INPUTS = ("data/raw/corpus/a.txt", "data/raw/docs.jsonl", "data/raw/more.txt", "run.toml",
           "data/raw/fineweb-edu/sample/10BT/000_00000.parquet",
           "data/raw/fineweb-edu/sample/10BT/001_00000.parquet",
@@ -242,7 +312,7 @@ def test_the_copy_holds_the_checkouts_files_and_the_inputs(tmp_path):
 
 def test_every_readme_command_runs_as_written(tmp_path):
     commands = readme_commands()
-    assert sorted(commands) == sorted(HOW), "README commands changed: update HOW"
+    assert commands == list(HOW), "the pages' commands changed or moved: update HOW"
     cwd = checkout(REPO, tmp_path / "work")
     if (REPO / "data" / "stdlib-4k" / "manifest.json").exists():  # prepared once already
         shutil.copytree(REPO / "data" / "stdlib-4k", cwd / "data" / "stdlib-4k")
