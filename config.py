@@ -489,13 +489,13 @@ def check_epochs(cfg: TrainConfig, plan: list[dict]) -> list[str]:
             raise ValueError(f"this run would read {source} {epochs:,.1f} times ({tokens:,} "
                              f"tokens planned over {available[source]:,} tokens/epoch), more "
                              f"than max_epochs={cfg.max_epochs:g}; prepare a larger corpus or a "
-                             f"mixture of corpora (README: Preparing a real corpus), or lower "
-                             f"--stop_at_step or the source's weight")
+                             f"mixture of corpora (docs/data.md), or lower --stop_at_step or "
+                             f"the source's weight")
         if epochs > EPOCHS_WARNED:
             warnings.append(f"warning: this run reads {source} {epochs:,.1f} times (more than "
                             f"{EPOCHS_WARNED} epochs, past which repeated data teaches little); "
-                            f"prepare a real corpus or a mixture of corpora (README: Preparing "
-                            f"a real corpus), or set --max_epochs to refuse such a plan")
+                            f"prepare a real corpus or a mixture of corpora (docs/data.md), "
+                            f"or set --max_epochs to refuse such a plan")
     return warnings
 
 
@@ -545,7 +545,7 @@ def tiny() -> TrainConfig:
                        seq_len=256, micro_batch_size=16, global_batch_tokens=4096,
                        total_steps=300, stop_at_step=300, warmup_steps=30, decay_fraction=0.2,
                        # eval_tokens none: all of val, the documents manifest.json lists,
-                       # so a scorer outside the run reads the same text (README's export)
+                       # so a scorer outside the run reads the same text (docs/checkpoints.md)
                        log_every=10, eval_every=100, eval_tokens=None, ckpt_every=100,
                        keep_last_ckpts=2, sample_tokens=48,
                        downstream="nextline", downstream_items=TINY_ITEMS)

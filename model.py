@@ -5,7 +5,7 @@ A token's path through the model:
 
     embed ─► n_layers × Block ─► RMSNorm ─► head (= embed.weight, tied) ─► CE + z-loss
                │
-               ├─ x + attention(RMSNorm(x))   grouped-query, QK-norm, RoPE (not on NoPE layers)
+               ├─ x + attention(RMSNorm(x))   grouped-query, QK-norm, RoPE (none on NoPE layers)
                └─ x + SwiGLU(RMSNorm(x))
 
 Training batches are packed: one row holds several documents. `position_ids` restart at 0

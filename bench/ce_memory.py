@@ -8,8 +8,8 @@ V = 32,768 and d = 512 are Stack-100M's, and so is a chunk of 4,096 rows (ce_chu
 
 "naive" is hidden @ weight.T in fp32 followed by F.cross_entropy (no z-loss, so the
 comparison flatters it slightly), measured once per row count since it has no chunks;
-"chunked" is plumbing/chunked_loss.py's fused_ce_z_loss with z-loss, at each chunk size. Both run loss + backward
-for the hidden states and the head weight. Each call runs in its own subprocess, so its peak
+"chunked" is plumbing/chunked_loss.py's fused_ce_z_loss with z-loss, at each chunk size.
+Both run loss + backward for the hidden states and the head weight. Each call runs in its own subprocess, so its peak
 is its own, measured above the memory once the inputs exist: on a CPU the peak RSS (ru_maxrss,
 a high-water mark), on a GPU torch.cuda.max_memory_allocated. The calls alternate for
 `--rounds` rounds and the median time of each is reported, so a change in the machine's load

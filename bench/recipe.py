@@ -35,7 +35,7 @@ The measurement, in three stages:
 
 Outputs (bench/results/): recipe.json (the JSON line), recipe.csv (every eval point of every
 run), recipe.png, recipe.md (a summary
-for README.md). Run directories go to bench/results/recipe_runs.tmp (git-ignored); a
+for docs/recipe.md). Run directories go to bench/results/recipe_runs.tmp (git-ignored); a
 finished run is reused when the sweep is started again with the same settings, so an
 interrupted sweep resumes where it stopped.
 """
@@ -437,7 +437,7 @@ def plot_budgets(ax, ratios: dict, summary_ratios: dict):
 
 
 def write_markdown(summary: dict, command: str, path: Path):
-    """A few lines and a table, ready to paste into README.md."""
+    """A few lines and a table, ready to paste into docs/recipe.md."""
     seeds = summary["seeds"]
     rows = [table_row(arm, a) for arm, a in summary["arms"].items()]
     edges = [arm for arm, a in summary["arms"].items() if a["best_at_grid_edge"]]

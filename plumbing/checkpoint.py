@@ -3,9 +3,9 @@ ranks, without running code; and what a diverging run does to them (`give_up`). 
 checkpoint a run continues is resume.py's.
 
     out_dir/ckpt/step_0001000/        one training checkpoint
-        .metadata, __0_0.distcp, …    the model and both optimizers, a torch.distributed.checkpoint
-                                      (DCP) folder: each rank writes its own shards (FSDP2), and a
-                                      load reshards onto any rank count
+        .metadata, __0_0.distcp, …    the model and both optimizers, a DCP folder
+                                      (torch.distributed.checkpoint): each rank writes its own
+                                      shards (FSDP2), and a load reshards onto any rank count
         train_state.json              step, tokens seen, the loader's cursor, the config, hashes,
                                       the code revision
         rng_rank<r>.pt                every random generator of rank r

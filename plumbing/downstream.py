@@ -1,6 +1,6 @@
 """Downstream tasks in the loop: multiple-choice accuracy beside the val loss, scored as
 lm-evaluation-harness 0.4.13 scores its `multiple_choice` tasks, so that a run's acc and
-acc_norm are the numbers `lm_eval` gives on its export (README, "In-loop tasks").
+acc_norm are the numbers `lm_eval` gives on its export (docs/tasks.md).
 
 An item is a context, its choices and the index of the gold one. lm-eval's rules, read in
 its lm_eval/api/task.py, api/model.py and models/huggingface.py:
@@ -171,7 +171,7 @@ def read_jsonl(path: str, reader, name: str) -> list[Item]:
         lines = Path(path).read_text(encoding="utf-8").split("\n")
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"downstream task {name}: cannot read {path} ({e.__class__.__name__}: "
-                         f"{e}); README's In-loop tasks says where each file comes from") from None
+                         f"{e}); docs/tasks.md says where each file comes from") from None
     items = []
     for number, line in enumerate(lines, 1):
         if line.strip():
@@ -192,8 +192,7 @@ def line_format(name: str, path: str) -> str:
     format's fields, or where the name is no format's (hellaswg), the generic item, and the
     format it may have meant."""
     if name in FIELDS:
-        return (f"each line of {with_article(name)} file holds {FIELDS[name]} (README's "
-                f"In-loop tasks)")
+        return (f"each line of {with_article(name)} file holds {FIELDS[name]} (docs/tasks.md)")
     close = difflib.get_close_matches(name, [*READERS, "nextline"], n=1)
     meant = f"; did you mean --downstream={close[0]}:{path}?" if close else ""
     return (f"{name} is not a format's name ({', '.join([*READERS, 'nextline'])}), so each "
@@ -250,7 +249,7 @@ def arc_item(doc: dict, where: str) -> Item:
 
 
 def piqa_item(doc: dict, where: str) -> Item:
-    """lm-eval's piqa.yaml; the label comes from valid-labels.lst, merged in (README)."""
+    """lm-eval's piqa.yaml; the label comes from valid-labels.lst, merged in (docs/tasks.md)."""
     if "label" not in doc:
         raise KeyError("label (PIQA's valid.jsonl has none: merge valid-labels.lst in)")
     return Item(f"Question: {doc['goal']}\nAnswer:", [doc["sol1"], doc["sol2"]],

@@ -7,9 +7,10 @@ of its own.
 metrics.jsonl is the run's record: one JSON object per line, each with a `kind` and a
 `step`. `start` (what each start of the run was: config, preset, code, hardware, data plan,
 schedule, what a resume changed), `train` (a log line), `eval`, `skip` (an update skipped
-for a non-finite loss or gradient norm), `checkpoint`, `sample` (the end-of-run sample) and `end` (how this
-start ended: finished, stopped, or the error). A restart appends to it; a step logged twice
-(redone after a crash) counts once, its last record, when report.py reads it back.
+for a non-finite loss or gradient norm), `checkpoint`, `sample` (the end-of-run sample)
+and `end` (how this start ended: finished, stopped, or the error). A restart appends to
+it; a step logged twice (redone after a crash) counts once, its last record, when
+report.py reads it back.
 
 The losses, gradient norm, counts and evaluations the logger gets are global (reduced across
 ranks by the loop); memory and times are rank 0's own; only the main process writes.
@@ -138,7 +139,7 @@ def check_memory(cfg, accelerator, sharded: bool, force: bool) -> list[str]:
            f"batch, in more accumulation steps), or " if fits else "") + "--preset tiny"
     problem = f"the memory estimate is {need:.1f} GiB per rank, more than {where}"
     if device.type == "cuda":
-        return [f"warning: {problem}; if it runs out of memory, use {fix} (README: Memory)"]
+        return [f"warning: {problem}; if it runs out of memory, use {fix} (docs/scale.md: Memory)"]
     if force:
         return [f"warning: {problem}; starting anyway (--force)"]
     raise ValueError(f"{problem}: it would run out of memory; use {fix}, or pass --force to "
