@@ -16,8 +16,8 @@ Shape letters: B batch, T tokens in a row, S keys (T, or the cache length when
 generating), C model width (d_model), H query heads, K key/value heads, D head dim,
 V vocabulary, N = B·T rows of the loss head.
 
-Imports from stacklm: chunked_loss (the loss head at scale), config (the model's shape)
-and data (the EOS token a sample opens with).
+Imports from stacklm: chunked_loss (the loss heads' kernels), config (the model's shape),
+data (the EOS token a sample opens with) and rms_norm (RMSNorm's backward, written out).
 """
 
 import contextlib
@@ -34,7 +34,8 @@ from torch.utils.checkpoint import checkpoint
 
 from config import StackConfig
 from data import EOS_TOKEN
-from plumbing.chunked_loss import fused_ce_z_loss
+from plumbing.chunked_loss import fused_ce_z_loss, logits_ce_z_loss
+from plumbing.rms_norm import rms_norm
 
 # ---------------------------------------------------------------------------------------
 # Normalisation and rotary position embedding
@@ -43,7 +44,13 @@ from plumbing.chunked_loss import fused_ce_z_loss
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned gain (arXiv 1910.07467): LayerNorm without the
-    mean subtraction and bias, which costs less and trains as well."""
+    mean subtraction and bias, which costs less and trains as well.
+
+        RMSNorm(x) = x · rsqrt(mean(x²) + eps) · weight   over the last dim
+
+    The mean of squares is taken in fp32 (in bf16 it loses the small components), and the
+    result is in x's dtype. plumbing/rms_norm.py computes it with its backward written out,
+    in fewer passes than eager autograd makes of these ops."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -51,10 +58,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # The mean of squares is taken in fp32: in bf16 it loses the small components.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).type_as(x)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(position_ids, head_dim: int, theta: float):
@@ -270,11 +274,12 @@ def reference_loss(logits, targets, z_loss: float, ignore_index: int = -100,
     targets that are not ignore_index and, for "mean", divided by their number; "none"
     keeps one number per target (N,), for scoring (downstream.py sums a choice's).
 
-    `Transformer.forward` trains through it when model.ce_chunk_size is 0, as `tiny` does,
-    and scores with it chunk by chunk whatever the size. Training needs the whole (N, V)
-    logits, 8 GiB in fp32 for one Stack-100M micro-batch (N = 32 × 2,048, V = 32,768), and
-    as much again for their gradient; plumbing/chunked_loss.py's `fused_ce_z_loss` computes
-    the same number without them, and is the head whenever ce_chunk_size is set."""
+    `Transformer.forward` scores with it chunk by chunk, and trains with its numbers through
+    plumbing/chunked_loss.py: when model.ce_chunk_size is 0, as `tiny` does, on the whole
+    (N, V) logits (`logits_ce_z_loss`, a chunk of rows at a time with the gradient written
+    out); when it is set, without them (`fused_ce_z_loss`): they would take 8 GiB in fp32
+    for one Stack-100M micro-batch (N = 32 × 2,048, V = 32,768), and as much again for
+    their gradient."""
     kept = targets != ignore_index
     if reduction == "none":  # each target's own (N,) numbers, 0 where ignored
         ce = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")
@@ -357,10 +362,7 @@ class Transformer(nn.Module):
         x = self.hidden_states(input_ids, position_ids, seq_ids).flatten(0, 1)  # (N, C)
         targets = targets.flatten()  # (N,)
         if reduction != "none" and not self.cfg.ce_chunk_size:
-            # The plain head: the tied embedding turns each hidden state into V logits, fp32
-            # even under bf16 autocast, so the softmax and its sums see no bf16 rounding.
-            logits = fp32_logits(x, self.embed.weight)  # (N, V)
-            return reference_loss(logits, targets, self.cfg.z_loss, reduction=reduction)
+            return self.plain_head(x, targets, reduction)
         if reduction != "none":
             # The same number without the (N, V) logits, ce_chunk_size rows at a time: the
             # head at scale, where one Stack-100M micro-batch's logits alone take 8 GiB.
@@ -374,6 +376,14 @@ class Transformer(nn.Module):
                                 reduction="none")  # (rows, V) logits -> (rows,) each
                  for h, t in zip(x.split(rows), targets.split(rows), strict=True)]
         return Loss(*(torch.cat(part) for part in zip(*parts, strict=True)))
+
+    def plain_head(self, hidden, targets, reduction: str) -> Loss:
+        """The plain head: the tied embedding turns each hidden state (N, C) into V logits,
+        in the blocks' matmul precision (bf16 under autocast, as nanoGPT's head), and
+        reference_loss takes them in fp32. plumbing/chunked_loss.py computes it a chunk of
+        rows at a time: one logsumexp for both terms, and its gradient in one pass."""
+        logits = F.linear(hidden, self.embed.weight)  # (N, V)
+        return Loss(*logits_ce_z_loss(logits, targets, self.cfg.z_loss, reduction=reduction))
 
     def logits(self, input_ids, position_ids=None, seq_ids=None, last_only=False):
         """fp32 logits (B, T, V), or (B, 1, V) of the last position with last_only."""

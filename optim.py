@@ -52,9 +52,11 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, dtype=torch.float32) -> torch
     # The Frobenius norm bounds the spectral norm, so every singular value starts in [0, 1],
     # where the polynomial pushes it towards 1 instead of blowing up.
     X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)
+    matmul_add = torch.baddbmm if X.ndim == 3 else torch.addmm  # β·M + α·(P @ Q), one call
     for _ in range(steps):
         gram = X @ X.mT
-        X = a * X + (b * gram + c * gram @ gram) @ X
+        polynomial = matmul_add(gram, gram, gram, beta=b, alpha=c)  # b·gram + c·gram²
+        X = matmul_add(X, polynomial, X, beta=a)  # a·X + (b·gram + c·gram²)·X
     return (X.mT if tall else X).to(G.dtype)
 
 
@@ -111,8 +113,8 @@ class Muon(torch.optim.Optimizer):
     every bf16 run (faster than float32 on a CPU with bf16 arithmetic, docs/figures.md;
     emulated bf16 would be slower).
 
-    Same-shape matrices are bucketed once, when the optimizer is built; a GPU orthogonalises
-    each bucket as one batched Newton–Schulz. Under FSDP2 (Shard(0) DTensor parameters)
+    Same-shape matrices are bucketed once, when the optimizer is built, and each bucket is
+    orthogonalised as one batched Newton–Schulz. Under FSDP2 (Shard(0) DTensor parameters)
     each matrix is instead orthogonalised whole by one owner rank, the matrices of a shape
     sent there and back together (see "Muon under FSDP2" below). Gradients arrive already
     averaged by the wrapper (DDP/FSDP): Muon never reduces them again.
@@ -167,13 +169,11 @@ class Muon(torch.optim.Optimizer):
         return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
 
     def _orthogonalize_bucket(self, updates, group) -> list[torch.Tensor]:
-        """Newton–Schulz of same-shape updates. GPUs: one batched run, as kernel launches
-        dominate small matmuls. CPUs: matrix by matrix, as batching bought nothing there
-        (docs/figures.md), and each matrix's bits then do not depend on which others share
-        its shape."""
-        if updates and updates[0].is_cuda:
-            return list(self._orthogonalize(torch.stack(updates), group))
-        return [self._orthogonalize(update, group) for update in updates]
+        """Newton–Schulz of same-shape updates as one batched run: a few large kernels in
+        place of many small ones, faster on GPUs and CPUs alike (docs/figures.md)."""
+        if not updates:
+            return []
+        return list(self._orthogonalize(torch.stack(updates), group))
 
     def _orthogonalize(self, update, group) -> torch.Tensor:
         dtype = self.ns_dtype or (torch.bfloat16 if update.is_cuda else torch.float32)

@@ -1,7 +1,9 @@
-"""`tiny` on this CPU: fp32 and bf16, eager and compiled, beside nanoGPT's step at its shape.
+"""`tiny` on this CPU: fp32 and bf16, eager and compiled, beside nanoGPT's step at its shape,
+and what each of stacklm's speed levers buys.
 
     python bench/cpu_speed.py                                # 30 timed steps, 2 rounds
     python bench/cpu_speed.py --steps 2 --warmup 1 --rounds 1 --no-compile   # a smoke run
+    python bench/cpu_speed.py --profile                      # and where each step's time goes
 
 Every variant trains from the same seed on the same batches (16 × 256 windows of the built-in
 corpus, data/stdlib-4k) in this one process, in interleaved rounds, so drift on shared
@@ -17,21 +19,30 @@ cores hits each alike:
   positions, the head tied to the embedding) and its train.py step: F.cross_entropy on the
   logits, backward, clip at 1.0, AdamW (foreach, betas 0.9/0.95, wd 0.1), in fp32 and bf16
   autocast, eager and torch.compile'd whole; "nanogpt_best" is its fastest.
-tokens/s is the median over the timed steps (after `warmup`) of all rounds; a compiled
-variant's cold start is its first step's seconds less an eager step's, and
+- the levers: stacklm's eager step at the precision auto picks here, with one lever undone
+  (the code it replaced, kept below as the plain expression it computes): "without_X".
+  Each lever's "gain" is the full step's speed over that. "with_X" tries an alternative
+  that was not taken, the same way.
+tokens/s is the median over the timed steps (after `warmup`) of all rounds. "vs_nanogpt"
+is each stacklm variant's speed over nanoGPT's at the same precision and compilation, and
+"goal" those two ratios at auto's precision (bf16 where the CPU computes it, else fp32).
+A compiled variant's cold start is its first step's seconds less an eager step's, and
 "compile_pays_after_steps" is that cold start over the seconds compiling saves a step
 (none where it saves nothing). "cpu_bf16" says whether this CPU computes bf16 in hardware
 (launch.cpu_computes_bf16), without which bf16 is emulated. "first_loss" is each variant's
 loss per target token on the first batch: about ln(4,096) = 8.318 for both models, whose
-initial predictions are near uniform. One JSON line.
+initial predictions are near uniform. With --profile, "profile" gives each variant's
+largest ops (torch.profiler, self CPU time) as shares of its step. One JSON line.
 """
 
+import contextlib
 import json
 import math
 import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +51,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import config  # noqa: E402
 import data  # noqa: E402
+import model  # noqa: E402
 import optim  # noqa: E402
 import prepare  # noqa: E402
 import train  # noqa: E402
@@ -143,15 +155,99 @@ VARIANTS = {  # name: (make a step, bf16, compiled)
 }
 
 
-def timed_steps(make, bf16: bool, compiled: bool, cfg, batches: list):
-    """Seconds of each step, the first (compilation included) first, and the first loss."""
-    step = make(cfg, compiled, bf16)
-    seconds, losses = [], []
-    for batch in batches:
-        t0 = time.perf_counter()
-        losses.append(float(step(batch)))  # the loop reads its loss every step
-        seconds.append(time.perf_counter() - t0)
+# --- the levers: what each replaced, as the plain expression it computes ------------------
+
+def plain_loss(logits, targets, z_loss, reduction):
+    """Before one_logsumexp: reference_loss by autograd, F.cross_entropy and the z-loss's
+    logsumexp each making the softmax, on an fp32 copy of the logits."""
+    return model.reference_loss(logits.float(), targets, z_loss, reduction=reduction)
+
+
+def fp32_head(self, hidden, targets, reduction):
+    """Before bf16_head: the plain head's matmul in fp32 whatever autocast says."""
+    logits = model.fp32_logits(hidden, self.embed.weight)
+    return model.Loss(*model.logits_ce_z_loss(logits, targets, self.cfg.z_loss,
+                                              reduction=reduction))
+
+
+def plain_rms_norm(x, weight, eps):
+    """Before rms_norm_backward: RMSNorm's formula through autograd."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).type_as(x)
+
+
+def separate_multiplies(G, steps=5, dtype=torch.float32):
+    """Before ns_matmul_add: Newton–Schulz with its scalar multiplies and sums as ops of their
+    own around the matmuls."""
+    a, b, c = optim.NS_COEFFICIENTS
+    X = G.to(dtype)
+    tall = X.size(-2) > X.size(-1)
+    X = X.mT if tall else X
+    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)
+    for _ in range(steps):
+        gram = X @ X.mT
+        X = a * X + (b * gram + c * gram @ gram) @ X
+    return (X.mT if tall else X).to(G.dtype)
+
+
+def one_by_one(self, updates, group):
+    """Before ns_stacked: on a CPU, Newton–Schulz matrix by matrix."""
+    return [self._orthogonalize(update, group) for update in updates]
+
+
+def torch_rms_norm(x, weight, eps):
+    """An alternative not taken: torch's own F.rms_norm (on a CPU its eager kernel is made of
+    the same ops)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).type_as(x)
+
+
+LEVERS = {  # name: what undoes it
+    "one_logsumexp": lambda: mock.patch.object(model, "logits_ce_z_loss", plain_loss),
+    "bf16_head": lambda: mock.patch.object(model.Transformer, "plain_head", fp32_head),
+    "rms_norm_backward": lambda: mock.patch.object(model, "rms_norm", plain_rms_norm),
+    "ns_matmul_add": lambda: mock.patch.object(optim, "newton_schulz", separate_multiplies),
+    "ns_stacked": lambda: mock.patch.object(optim.Muon, "_orthogonalize_bucket", one_by_one),
+}
+ALTERNATIVES = {"torch_rms_norm": lambda: mock.patch.object(model, "rms_norm", torch_rms_norm)}
+
+
+def timed_steps(make, bf16: bool, compiled: bool, cfg, batches: list, patched=None):
+    """Seconds of each step, the first (compilation included) first, and the first loss;
+    `patched` (a context manager) is in force while the step is made and run."""
+    with patched or contextlib.nullcontext():
+        step = make(cfg, compiled, bf16)
+        seconds, losses = [], []
+        for batch in batches:
+            t0 = time.perf_counter()
+            losses.append(float(step(batch)))  # the loop reads its loss every step
+            seconds.append(time.perf_counter() - t0)
     return seconds, losses[0]
+
+
+def profiled(make, bf16: bool, compiled: bool, cfg, batches: list, top: int = 8) -> list:
+    """[op, share of the step's self CPU time] of the `top` largest ops of one step, after
+    two untimed ones."""
+    from torch.profiler import profile
+    step = make(cfg, compiled, bf16)
+    for batch in batches[:2]:
+        step(batch)
+    with profile() as prof:
+        step(batches[2])
+    ops = sorted(prof.key_averages(), key=lambda op: -op.self_cpu_time_total)
+    total = sum(op.self_cpu_time_total for op in ops)
+    return [[op.key, round(op.self_cpu_time_total / total, 3)] for op in ops[:top]]
+
+
+def variants(args, precision: str) -> dict:
+    """name -> (make, bf16, compiled, patched or None) for this run's flags."""
+    chosen = {n: (*v, None) for n, v in VARIANTS.items() if not (v[2] and args.no_compile)}
+    if not args.no_levers:
+        base = (stacklm_step, precision == "bf16", False)
+        chosen |= {f"stacklm_{precision}_eager_without_{n}": (*base, undo())
+                   for n, undo in LEVERS.items()}
+        chosen |= {f"stacklm_{precision}_eager_with_{n}": (*base, alternative())
+                   for n, alternative in ALTERNATIVES.items()}
+    return chosen
 
 
 def main():
@@ -161,41 +257,60 @@ def main():
     parser.add_argument("--warmup", type=cli.at_least(0), default=3, help="untimed steps first")
     parser.add_argument("--rounds", type=cli.at_least(1), default=2, help="interleaved rounds")
     parser.add_argument("--no-compile", action="store_true", help="eager variants only")
+    parser.add_argument("--no-levers", action="store_true", help="no lever variants")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one step of each of the eight base variants")
     args = parser.parse_args()
     cfg = config.tiny()
     prepare.ensure_builtin([cfg.data_dir], cfg.model.vocab_size)
     loader = data.PackedShardLoader(cfg.data_dir, "train", cfg.seq_len, cfg.micro_batch_size,
                                     seed=cfg.seed)
-    batches = [next(loader) for _ in range(args.warmup + args.steps)]  # (16, 256) each
-    names = [n for n, (_, _, compiled) in VARIANTS.items() if not (compiled and args.no_compile)]
-    seconds, first_loss = {name: [] for name in names}, {}
+    batches = [next(loader) for _ in range(max(args.warmup + args.steps, 3))]  # (16, 256)
+    precision = "bf16" if launch.cpu_computes_bf16() else "fp32"  # auto's choice here
+    chosen = variants(args, precision)
+    seconds, first_loss = {name: [] for name in chosen}, {}
     for _ in range(args.rounds):
-        for name in names:
-            run_seconds, first_loss[name] = timed_steps(*VARIANTS[name], cfg, batches)
+        for name, (make, bf16, compiled, patched) in chosen.items():
+            run_seconds, first_loss[name] = timed_steps(make, bf16, compiled, cfg,
+                                                        batches[:args.warmup + args.steps],
+                                                        patched)
             seconds[name].append(run_seconds)
     tokens = cfg.global_batch_tokens
     step_s = {n: statistics.median(s for run in seconds[n] for s in run[args.warmup:])
-              for n in names}
+              for n in chosen}
     result = {"bench": "cpu_speed", "device": log.device_name(torch.device("cpu")),
               "steps": args.steps,
               "rounds": args.rounds, "cpu_bf16": launch.cpu_computes_bf16(),
               "tokens_per_s": {n: round(tokens / s, 1) for n, s in step_s.items()},
               "first_loss": {n: round(loss, 4) for n, loss in first_loss.items()}}
-    nanogpt = {n: v for n, v in result["tokens_per_s"].items() if n.startswith("nanogpt")}
+    base = [n for n in step_s if n in VARIANTS]
+    nanogpt = {n: result["tokens_per_s"][n] for n in base if n.startswith("nanogpt")}
     best = max(nanogpt, key=nanogpt.get)
     result["nanogpt_best"] = {"variant": best, "tokens_per_s": nanogpt[best]}
-    result["vs_fp32_eager"] = {n: round(step_s["stacklm_fp32_eager"] / s, 3)
-                               for n, s in step_s.items() if n.startswith("stacklm")}
-    result["vs_nanogpt_best"] = {n: round(step_s[best] / s, 3)
-                                 for n, s in step_s.items() if n.startswith("stacklm")}
+    result["vs_fp32_eager"] = {n: round(step_s["stacklm_fp32_eager"] / step_s[n], 3)
+                               for n in base if n.startswith("stacklm")}
+    result["vs_nanogpt_best"] = {n: round(step_s[best] / step_s[n], 3)
+                                 for n in base if n.startswith("stacklm")}
+    result["vs_nanogpt"] = {n: round(step_s[n.replace("stacklm", "nanogpt")] / step_s[n], 3)
+                            for n in base if n.startswith("stacklm")}
+    result["goal"] = {"precision": precision, **{
+        mode: result["vs_nanogpt"].get(f"stacklm_{precision}_{mode}")
+        for mode in ("eager", "compiled")}}
+    full = step_s[f"stacklm_{precision}_eager"]
+    result["levers"] = {n.split("_without_")[1]: round(step_s[n] / full, 3)
+                        for n in step_s if "_without_" in n}
+    result["alternatives"] = {n.split("_with_")[1]: round(step_s[n] / full, 3)
+                              for n in step_s if "_with_" in n}
     result["compile"] = {}
-    for compiled in (n for n in names if n.endswith("_compiled")):
+    for compiled in (n for n in base if n.endswith("_compiled")):
         eager = compiled.replace("_compiled", "_eager")
         cold = seconds[compiled][0][0] - step_s[eager]  # the first round's: a cold cache
         saved = step_s[eager] - step_s[compiled]
         result["compile"][compiled] = {
             "cold_start_s": round(cold, 1),
             "pays_after_steps": math.ceil(cold / saved) if saved > 0 else None}
+    if args.profile:
+        result["profile"] = {n: profiled(*VARIANTS[n], cfg, batches) for n in base}
     print(json.dumps(result))
 
 

@@ -30,6 +30,7 @@ the budget is stopped by an alarm, so the sweep (data preparation included) ends
 about --budget_s.
 """
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -49,6 +50,8 @@ import train  # noqa: E402
 from model import flops_per_token  # noqa: E402
 from plumbing import cli, launch, log, overrides  # noqa: E402
 
+import cpu_speed  # noqa: E402  (the levers, beside it in bench/)
+
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
@@ -58,6 +61,7 @@ class Variant:
     drop_seq_ids: bool = False  # attention without document masking
     ns_dtype: torch.dtype | None = None  # Muon's Newton–Schulz precision; None: its default
     whole_compile: bool = False  # torch.compile(model) instead of per-block compilation
+    undo: str | None = None  # one of cpu_speed.LEVERS, undone (the code it replaced)
 
 
 # In order of interest: when the budget runs short, the last ones are skipped.
@@ -78,6 +82,12 @@ VARIANTS = [
             ns_dtype=torch.float32),
     Variant("whole_compile", "torch.compile(model) instead of per-block compile",
             {"compile_model": "false"}, whole_compile=True),
+    # The CPU's speed levers that reach Stack-100M's step (its head is the chunked one), each
+    # undone: a GPU must be no slower with them (bench/cpu_speed.py has the CPU's figures).
+    Variant("rms_norm_autograd", "RMSNorm by autograd, not its backward written out",
+            undo="rms_norm_backward"),
+    Variant("ns_separate", "Newton–Schulz with its multiplies apart from the matmuls",
+            undo="ns_matmul_add"),
 ]
 
 
@@ -183,7 +193,8 @@ def run_variant(variant: Variant, base, steps: int, warmup: int, args, left: flo
     try:
         signal.setitimer(signal.ITIMER_REAL, left)
         try:
-            return measure(variant, cfg, steps, warmup, args.dry_run, t0)
+            with cpu_speed.LEVERS[variant.undo]() if variant.undo else contextlib.nullcontext():
+                return measure(variant, cfg, steps, warmup, args.dry_run, t0)
         finally:  # disarmed inside the try, so a late alarm is still caught below
             signal.setitimer(signal.ITIMER_REAL, 0)
     except (Exception, BudgetExceeded) as e:  # OOM, compile errors, the budget alarm
@@ -201,7 +212,7 @@ def alarm(signum, frame):
 def measure(variant: Variant, cfg, steps: int, warmup: int, dry_run: bool, t0: float) -> dict:
     accelerator = launch.make_accelerator(cfg)
     model = train.build_model(cfg, launch.use_compile(cfg)[0])
-    optimizers = optim.build_optimizers(model, cfg)
+    optimizers = optim.build_optimizers(model, cfg, accelerator.mixed_precision)
     if variant.ns_dtype is not None:
         optimizers.named["muon"].ns_dtype = variant.ns_dtype
     if variant.whole_compile:  # on the CPU dry run, tracing only: inductor takes minutes

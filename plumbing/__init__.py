@@ -9,7 +9,8 @@ file, each with a docstring that says what it holds:
     checkpoint     a checkpoint's files: atomic DCP save, reading without running code, RNG
     log            the banner, the memory estimate, the log line, MFU, metrics.jsonl, wandb
     downstream     the multiple-choice tasks scored in the loop, as lm-eval scores them
-    chunked_loss   the loss head at scale: cross-entropy + z-loss without the logits
+    chunked_loss   the loss heads' kernels: cross-entropy + z-loss a chunk of rows at a time
+    rms_norm       RMSNorm with its backward written out
     shards         a prepared folder's manifest, shard checks and their error hints
     overrides      a run's config from a TOML file and --key=value flags, and --help
     cli            the one-line errors every command shares

@@ -1,10 +1,17 @@
-"""The chunked loss head: cross-entropy + z-loss of the logits hidden @ weight.T, computed
-a chunk of rows at a time, so the (N, V) logits never exist. model.py's `reference_loss`
-says what it computes, on the whole logits; this is the same number at the scale of
-Stack-100M, whose micro-batch (N = 32 × 2,048 rows, V = 32,768) would hold 8 GiB of fp32
-logits and as much again for their gradient. `Transformer.forward` takes this head
-whenever `ce_chunk_size` is set (tests/test_chunked_loss.py checks it against
-`reference_loss`, gradcheck and operand-rounding bounds).
+"""The loss heads' kernels: model.py's `reference_loss` (cross-entropy + z-loss) computed a
+chunk of rows at a time, with one logsumexp per row for both terms and the gradient
+written out in one pass.
+
+- `fused_ce_z_loss`, the chunked head: of the logits hidden @ weight.T, which never exist
+  whole. It is the same number at the scale of Stack-100M, whose micro-batch
+  (N = 32 × 2,048 rows, V = 32,768) would hold 8 GiB of fp32 logits and as much again for
+  their gradient. `Transformer.forward` takes this head whenever `ce_chunk_size` is set.
+- `logits_ce_z_loss`, the plain head's: of logits the model made whole, in their own dtype
+  (bf16 under autocast), each chunk taken in fp32 while it is in the CPU's cache. tiny
+  trains with it.
+
+tests/test_chunked_loss.py checks both against `reference_loss`, gradcheck and rounding
+bounds.
 
 Imports from stacklm: nothing.
 """
@@ -114,6 +121,66 @@ def head_matmul(a, b, dtype: torch.dtype, out=None):
     if a.is_cuda and a.dtype == torch.bfloat16 and dtype == torch.float32:
         return torch.mm(a, b, out_dtype=dtype, out=out)
     return torch.mm(a.to(dtype), b.to(dtype), out=out)
+
+
+class LogitsCrossEntropyZLoss(torch.autograd.Function):
+    """`reference_loss` of logits the model already made (the plain head's), in their own
+    dtype (bf16 under autocast), computed LOGITS_CHUNK rows at a time in fp32: each
+    chunk's fp32 copy stays in the cache, and no (N, V) fp32 copy of the logits or of their
+    gradient is made. One logsumexp per row serves both terms; backward writes the gradient
+    autograd would give (ChunkedCrossEntropyZLoss has the formula) in one pass over each
+    chunk, in the logits' dtype. Eager autograd of the plain expression makes the softmax
+    once for each term and the one-hot as an (N, V) tensor of its own."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, z_loss, ignore_index, reduction):
+        valid = targets != ignore_index  # (N,)
+        safe_targets = targets.masked_fill(~valid, 0)  # any real index; masked below
+        dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 (fp64 for fp64)
+        lse = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)  # (N,)
+        for rows in row_chunks(logits.shape[0], LOGITS_CHUNK):
+            lse[rows] = logits[rows].to(dtype).logsumexp(dim=-1)
+        target_logit = logits.gather(1, safe_targets[:, None]).squeeze(1).to(dtype)  # (N,)
+        divisor = valid.sum().clamp(min=1) if reduction == "mean" else lse.new_ones(())
+        ce = torch.where(valid, lse - target_logit, 0.0).sum() / divisor
+        z = torch.where(valid, z_loss * lse.square(), 0.0).sum() / divisor
+        ctx.save_for_backward(logits, safe_targets, valid, lse)
+        ctx.z_loss, ctx.divisor = z_loss, divisor
+        ctx.mark_non_differentiable(ce, z)
+        return ce + z, ce, z
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_ce, _grad_z):
+        logits, targets, valid, lse = ctx.saved_tensors
+        g = torch.where(valid, grad_loss / ctx.divisor, 0.0)  # (N,) each row's weight
+        softmax_scale = g * (1 + 2 * ctx.z_loss * lse)  # (N,)
+        grad_logits = torch.empty_like(logits)
+        for rows in row_chunks(logits.shape[0], LOGITS_CHUNK):
+            # a copy in fp32 (copy=True: fp32 logits are saved ones, never written over)
+            dlogits = logits[rows].to(lse.dtype, copy=True).sub_(lse[rows, None]).exp_()
+            dlogits.mul_(softmax_scale[rows, None])
+            dlogits.scatter_add_(1, targets[rows, None], -g[rows, None])
+            grad_logits[rows] = dlogits  # (chunk, V), in the logits' dtype
+        return grad_logits, None, None, None, None
+
+
+# Rows of logits the plain head's loss takes at once: 256 × V fp32 for tiny's V = 4,096 is
+# 4 MiB, which stays in a CPU's cache between the passes over it (docs/figures.md).
+LOGITS_CHUNK = 256
+
+
+def row_chunks(n: int, size: int) -> list[slice]:
+    return [slice(start, start + size) for start in range(0, n, size)]
+
+
+def logits_ce_z_loss(logits, targets, z_loss: float, ignore_index: int = -100,
+                     reduction: str = "mean"):
+    """reference_loss(logits, targets, z_loss) -> (loss, ce, z), the same numbers without an
+    fp32 copy of the (N, V) logits (LogitsCrossEntropyZLoss). logits (N, V) in any dtype,
+    targets (N,). `loss` is differentiable; `ce` and `z` are detached, for logging."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction={reduction!r} must be 'mean' or 'sum'")
+    return LogitsCrossEntropyZLoss.apply(logits, targets, z_loss, ignore_index, reduction)
 
 
 def fused_ce_z_loss(hidden, weight, targets, z_loss: float, chunk_size: int,

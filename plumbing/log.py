@@ -84,8 +84,8 @@ def peak_flops(device_name: str) -> float | None:
 # Bytes saved for backward per token per block, per unit of d_model, for Stack-shaped
 # blocks (intermediate = 2.75·d_model, 4 query heads per kv head), as counted by
 # torch.autograd.graph.saved_tensors_hooks on d_model=512 blocks (tests/test_log.py
-# recounts them). bf16 autocast keeps the norms' fp32 intermediates: not half of fp32.
-ACTIVATION_BYTES_PER_D = {True: 66, False: 91}  # bf16: yes/no
+# recounts them). bf16 autocast keeps the norms' fp32 normalised inputs: not half of fp32.
+ACTIVATION_BYTES_PER_D = {True: 55, False: 80}  # bf16: yes/no
 
 
 def memory_estimate(cfg, n_params: int, n_muon: int, world: int, sharded: bool,

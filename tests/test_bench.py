@@ -14,10 +14,13 @@ import pytest
 import torch
 
 import config
+import model
+import optim
 from plumbing import overrides
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
+import cpu_speed  # noqa: E402
 import downstream_cost  # noqa: E402
 import gpu_sweep  # noqa: E402
 
@@ -32,7 +35,7 @@ def test_gpu_sweep_dry_run_reports_every_variant():
     rows = {row["name"]: row for row in report["variants"]}
     assert list(rows) == [v.name for v in gpu_sweep.VARIANTS]
     assert {"default", "head_bf16", "micro16", "chunk1024", "chunk16384", "causal_only",
-            "ns_fp32", "whole_compile"} <= set(rows)
+            "ns_fp32", "whole_compile", "rms_norm_autograd", "ns_separate"} <= set(rows)
     for name, row in rows.items():
         if row["error"] is not None:
             assert isinstance(row["error"], str) and row["error"], name
@@ -243,27 +246,50 @@ def test_downstream_cost_arithmetic_within_the_goals():
     assert tiny["share"] == pytest.approx(9.0 / (100 * 1.5)) and tiny["goal"] == 0.10
 
 
-def test_cpu_speed_times_every_eager_variant_on_the_same_batches():
+def test_cpu_speed_times_every_eager_variant_and_lever_on_the_same_batches():
     """bench/cpu_speed.py's smoke run: one JSON line with a finite speed for each eager
-    variant, and each one's first loss near ln(vocab), what a near-uniform initial model
-    scores (plain math: a variant fed other data, or a stacklm loss left as a sum over the
-    batch's tokens, lands far from it); the ratios are those of the speeds."""
+    variant and each lever undone, and each one's first loss near ln(vocab), what a
+    near-uniform initial model scores (plain math: a variant fed other data, or a stacklm
+    loss left as a sum over the batch's tokens, lands far from it); the ratios are those of
+    the speeds."""
     result = subprocess.run([sys.executable, "bench/cpu_speed.py", "--steps", "1", "--warmup",
-                             "1", "--rounds", "1", "--no-compile"], cwd=REPO,
+                             "0", "--rounds", "1", "--no-compile"], cwd=REPO,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
+    precision = report["goal"]["precision"]
     eager = {f"{m}_{p}_eager" for m in ("stacklm", "nanogpt") for p in ("fp32", "bf16")}
-    assert set(report["tokens_per_s"]) == set(report["first_loss"]) == eager
+    levers = {f"stacklm_{precision}_eager_without_{n}" for n in cpu_speed.LEVERS} | \
+        {f"stacklm_{precision}_eager_with_{n}" for n in cpu_speed.ALTERNATIVES}
+    assert set(report["tokens_per_s"]) == set(report["first_loss"]) == eager | levers
     assert all(math.isfinite(v) and v > 0 for v in report["tokens_per_s"].values())
     for name, loss in report["first_loss"].items():
         assert loss == pytest.approx(math.log(config.tiny().model.vocab_size), abs=0.25), name
     speed = report["tokens_per_s"]
     assert report["vs_fp32_eager"]["stacklm_bf16_eager"] == pytest.approx(
         speed["stacklm_bf16_eager"] / speed["stacklm_fp32_eager"], rel=1e-3)
+    assert report["goal"]["eager"] == report["vs_nanogpt"][f"stacklm_{precision}_eager"] == \
+        pytest.approx(speed[f"stacklm_{precision}_eager"] / speed[f"nanogpt_{precision}_eager"],
+                      rel=2e-3)  # each rounded
+    assert set(report["levers"]) == set(cpu_speed.LEVERS)
     assert report["nanogpt_best"]["tokens_per_s"] == max(
         v for n, v in speed.items() if n.startswith("nanogpt"))
     assert report["compile"] == {}
+
+
+def test_each_levers_undoing_computes_what_the_lever_computes():
+    """cpu_speed.py's levers are undone with the code they replaced: each must compute what
+    the lever computes (else a lever's "gain" would compare two different things)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 7, 16), 1 + torch.rand(16)
+    torch.testing.assert_close(cpu_speed.plain_rms_norm(x, w, 1e-6), model.rms_norm(x, w, 1e-6))
+    torch.testing.assert_close(cpu_speed.torch_rms_norm(x, w, 1e-6), model.rms_norm(x, w, 1e-6))
+    G = torch.randn(2, 24, 40)
+    torch.testing.assert_close(cpu_speed.separate_multiplies(G), optim.newton_schulz(G),
+                               rtol=1e-5, atol=1e-5)
+    logits, targets = torch.randn(20, 11), torch.randint(0, 11, (20,))
+    torch.testing.assert_close(cpu_speed.plain_loss(logits, targets, 1e-2, "sum"),
+                               model.logits_ce_z_loss(logits, targets, 1e-2, reduction="sum"))
 
 
 # One bad value for each benchmark, and cpu_speed's that ended in a traceback or, with
@@ -274,6 +300,7 @@ BAD_BENCH_ARGS = [
     ("cpu_speed.py", ["--warmup", "-1"], "argument --warmup: expected a whole number >= 0"),
     ("cpu_speed.py", ["--steps", "ten"], "argument --steps: expected a whole number >= 1, "
                                          "got 'ten'"),
+    ("lever_losses.py", ["--seeds", "x"], "argument --seeds: expected a whole number"),
     ("ce_memory.py", ["--rows", "0"], "argument --rows: expected a whole number >= 1"),
     ("crash_resume.py", ["--kills", "-1"], "argument --kills: expected a whole number >= 0"),
     ("downstream_cost.py", ["--rounds", "0"], "argument --rounds: expected a whole number"),

@@ -54,7 +54,7 @@ def test_each_file_imports_what_its_docstring_says(module):
 # README's Reading order: the plumbing that the lesson files compose imports the lesson's
 # config and data, the shared cli and shards, at most, plus what each extra is named for.
 PLUMBING = ("checkpoint", "launch", "resume", "log", "downstream", "cli", "shards",
-            "overrides", "chunked_loss", "report", "prepare")
+            "overrides", "chunked_loss", "rms_norm", "report", "prepare")
 PLUMBING_IMPORTS = {"config", "cli", "data", "shards"}
 PLUMBING_EXTRAS = {"log": {"model"}, "downstream": {"prepare"}, "prepare": {"checkpoint"},
                    "resume": {"checkpoint"}}

@@ -76,7 +76,7 @@ def test_memory_estimate_counts_optimizer_state_and_recomputed_blocks():
     full = log.memory_estimate(overrides.apply_overrides(cfg, {"activation_recompute": "full"}),
                                   n, n_muon, world=1, sharded=False, bf16=True)
     tokens, d = cfg.micro_batch_size * cfg.seq_len, cfg.model.d_model
-    block, block_input = tokens * 66 * d, tokens * d * 2
+    block, block_input = tokens * 55 * d, tokens * d * 2
     assert full["activations"] == pytest.approx((30 * block_input + block) / gib)
     assert plain["activations"] == pytest.approx(30 * block / gib)
     # every-4 recomputes blocks 0, 4, …, 28 (model.py's rule, layer % 4 == 0): 8 of 30

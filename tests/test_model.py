@@ -102,19 +102,23 @@ def test_the_plain_head_is_cross_entropy_on_the_logits_and_equals_the_chunked_on
                                atol=1e-6)
 
 
-def test_the_plain_head_keeps_fp32_logits_under_bf16_autocast():
-    """Under bf16 autocast (a CPU or GPU run in bf16) the blocks' matmuls run in bf16, but
-    the plain head's logits, softmax and sums stay fp32. Oracle: the same (autocast) hidden
-    states through an fp32 matmul and reference_loss. A bf16 head matmul misses it by ~1e-3."""
+def test_the_plain_head_runs_in_the_blocks_precision_and_its_loss_in_fp32():
+    """Under bf16 autocast (a CPU or GPU run in bf16) the plain head's matmul runs in bf16,
+    as the blocks' do (and nanoGPT's head), and the loss takes its logits in fp32. Oracle:
+    reference_loss on the same hidden states through a bf16 matmul, upcast; the fp32 head
+    differs from it by bf16's rounding of the logits, here ~1e-5 relative."""
     model = small_model(ce_chunk_size=0)
     ids, targets = torch.randint(0, 97, (2, 12)), torch.randint(0, 97, (2, 12))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(ids, targets=targets).loss
         hidden = model.hidden_states(ids, None, None).flatten(0, 1)  # (N, C)
     assert loss.dtype == torch.float32
-    want = M.reference_loss(hidden.float() @ model.embed.weight.T, targets.flatten(),
-                            model.cfg.z_loss).loss
+    bf16_logits = (hidden.bfloat16() @ model.embed.weight.bfloat16().T).float()
+    want = M.reference_loss(bf16_logits, targets.flatten(), model.cfg.z_loss).loss
     torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    fp32 = M.reference_loss(hidden.float() @ model.embed.weight.T, targets.flatten(),
+                            model.cfg.z_loss).loss
+    assert 0 < abs(float(loss - fp32) / float(fp32)) < 1e-3
 
 
 def test_the_embedding_is_the_only_vocab_matrix():
@@ -325,6 +329,39 @@ def test_rms_norm_matches_functional():
         norm.weight.uniform_(0.5, 1.5)
     x = torch.randn(3, 5, 16)
     torch.testing.assert_close(norm(x), F.rms_norm(x, (16,), norm.weight, eps=1e-6))
+
+
+def plain_rms_norm(x, weight, eps):
+    """RMSNorm's docstring formula, through autograd: the oracle of its written-out backward."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).type_as(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norms_written_out_backward_is_autograds(dtype):
+    """plumbing/rms_norm.py's backward against autograd of the plain expression, for the
+    residual stream's fp32 and QK-norm's bf16 inputs: the forward bitwise, the gradients to
+    fp32 rounding (bf16's: half an ulp of the input's dtype)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 2, 16, generator=gen).to(dtype).requires_grad_()
+    weight = (1 + 0.3 * torch.randn(16, generator=gen)).requires_grad_()
+    grad = torch.randn(3, 5, 2, 16, generator=gen).to(dtype)
+    ours, theirs = M.RMSNorm(16, eps=1e-6), plain_rms_norm(x, weight, 1e-6)
+    ours.weight = torch.nn.Parameter(weight.detach().clone())
+    got = ours(x)
+    assert torch.equal(got, theirs)
+    got_x, got_w = torch.autograd.grad(got, (x, ours.weight), grad)
+    want_x, want_w = torch.autograd.grad(theirs, (x, weight), grad)
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got_x.float(), want_x.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+def test_rms_norm_gradcheck_fp64():
+    from plumbing.rms_norm import rms_norm
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: rms_norm(a, b, 1e-6), (x, weight))
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
