@@ -170,14 +170,20 @@ class Muon(torch.optim.Optimizer):
 
     def _orthogonalize_bucket(self, updates, group) -> list[torch.Tensor]:
         """Newton–Schulz of same-shape updates as one batched run: a few large kernels in
-        place of many small ones, faster on GPUs and CPUs alike (docs/figures.md)."""
+        place of many small ones, faster on GPUs and CPUs alike (docs/figures.md). The stack
+        is made in the iteration's dtype, one copy where a float32 stack and its cast made
+        two, and the results stay in it: the step adds them to the weights as they are."""
         if not updates:
             return []
-        return list(self._orthogonalize(torch.stack(updates), group))
+        dtype = self._ns_dtype(updates[0])
+        stack = torch.stack([update.to(dtype) for update in updates])  # (n, A, B)
+        return list(newton_schulz(stack, group["ns_steps"], dtype))
 
     def _orthogonalize(self, update, group) -> torch.Tensor:
-        dtype = self.ns_dtype or (torch.bfloat16 if update.is_cuda else torch.float32)
-        return newton_schulz(update, group["ns_steps"], dtype)
+        return newton_schulz(update, group["ns_steps"], self._ns_dtype(update))
+
+    def _ns_dtype(self, update) -> torch.dtype:
+        return self.ns_dtype or (torch.bfloat16 if update.is_cuda else torch.float32)
 
     @staticmethod
     def _decay_and_step(p, group, update):

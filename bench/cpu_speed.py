@@ -195,6 +195,12 @@ def one_by_one(self, updates, group):
     return [self._orthogonalize(update, group) for update in updates]
 
 
+def stack_then_cast(self, updates, group):
+    """Before ns_one_copy: a float32 stack of the updates, cast again for Newton–Schulz, and
+    the results cast back to float32."""
+    return list(self._orthogonalize(torch.stack(updates), group)) if updates else []
+
+
 def torch_rms_norm(x, weight, eps):
     """An alternative not taken: torch's own F.rms_norm (on a CPU its eager kernel is made of
     the same ops)."""
@@ -207,6 +213,8 @@ LEVERS = {  # name: what undoes it
     "rms_norm_backward": lambda: mock.patch.object(model, "rms_norm", plain_rms_norm),
     "ns_matmul_add": lambda: mock.patch.object(optim, "newton_schulz", separate_multiplies),
     "ns_stacked": lambda: mock.patch.object(optim.Muon, "_orthogonalize_bucket", one_by_one),
+    "ns_one_copy": lambda: mock.patch.object(optim.Muon, "_orthogonalize_bucket",
+                                             stack_then_cast),
 }
 ALTERNATIVES = {"torch_rms_norm": lambda: mock.patch.object(model, "rms_norm", torch_rms_norm)}
 

@@ -51,7 +51,7 @@ class ChunkedCrossEntropyZLoss(torch.autograd.Function):
             safe_targets = targets.masked_fill(~valid, 0)  # any real index; masked below
             lse = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
             target_logit = torch.empty_like(lse)
-            buffer = chunk_buffer(hidden, w, chunk_size, dtype)
+            buffer = chunk_buffer(len(hidden), len(w), chunk_size, dtype, w.device)
             for start in range(0, hidden.shape[0], chunk_size):
                 rows = slice(start, start + chunk_size)
                 h = hidden[rows].to(operand)  # (chunk, C)
@@ -84,7 +84,7 @@ class ChunkedCrossEntropyZLoss(torch.autograd.Function):
             grad_hidden = torch.empty_like(hidden)
             # (V, C), accumulated in fp32 (or fp64)
             grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
-            buffer = chunk_buffer(hidden, w, ctx.chunk_size, dtype)
+            buffer = chunk_buffer(len(hidden), len(w), ctx.chunk_size, dtype, w.device)
             for start in range(0, hidden.shape[0], ctx.chunk_size):
                 rows = slice(start, start + ctx.chunk_size)
                 h = hidden[rows].to(operand)  # (chunk, C)
@@ -103,12 +103,11 @@ class ChunkedCrossEntropyZLoss(torch.autograd.Function):
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None
 
 
-def chunk_buffer(hidden, weight, chunk_size: int, dtype: torch.dtype):
-    """One (chunk, V) buffer reused by every chunk: on CPU a fresh one per chunk made the
-    head matmul slower (docs/figures.md; the allocator hands back new pages that must be
+def chunk_buffer(n: int, vocab: int, chunk_size: int, dtype: torch.dtype, device):
+    """One (chunk, V) buffer reused by every chunk of n rows: on CPU a fresh one per chunk
+    made the head slower (docs/figures.md; the allocator hands back new pages that must be
     faulted in)."""
-    rows = min(chunk_size, hidden.shape[0])
-    return torch.empty(rows, weight.shape[0], dtype=dtype, device=weight.device)
+    return torch.empty(min(chunk_size, n), vocab, dtype=dtype, device=device)
 
 
 def head_matmul(a, b, dtype: torch.dtype, out=None):
@@ -138,8 +137,13 @@ class LogitsCrossEntropyZLoss(torch.autograd.Function):
         safe_targets = targets.masked_fill(~valid, 0)  # any real index; masked below
         dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 (fp64 for fp64)
         lse = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)  # (N,)
+        buffer = chunk_buffer(*logits.shape, LOGITS_CHUNK, dtype, logits.device)  # reused
         for rows in row_chunks(logits.shape[0], LOGITS_CHUNK):
-            lse[rows] = logits[rows].to(dtype).logsumexp(dim=-1)
+            chunk = buffer[: len(lse[rows])].copy_(logits[rows])  # (chunk, V) in fp32
+            # logsumexp in place: torch.logsumexp would allocate a second (chunk, V).
+            row_max = chunk.amax(dim=-1, keepdim=True)  # (chunk, 1)
+            lse[rows] = (row_max + chunk.sub_(row_max).exp_().sum(-1, keepdim=True).log()
+                         ).squeeze(1)
         target_logit = logits.gather(1, safe_targets[:, None]).squeeze(1).to(dtype)  # (N,)
         divisor = valid.sum().clamp(min=1) if reduction == "mean" else lse.new_ones(())
         ce = torch.where(valid, lse - target_logit, 0.0).sum() / divisor
@@ -155,9 +159,10 @@ class LogitsCrossEntropyZLoss(torch.autograd.Function):
         g = torch.where(valid, grad_loss / ctx.divisor, 0.0)  # (N,) each row's weight
         softmax_scale = g * (1 + 2 * ctx.z_loss * lse)  # (N,)
         grad_logits = torch.empty_like(logits)
+        buffer = chunk_buffer(*logits.shape, LOGITS_CHUNK, lse.dtype, logits.device)  # reused
         for rows in row_chunks(logits.shape[0], LOGITS_CHUNK):
-            # a copy in fp32 (copy=True: fp32 logits are saved ones, never written over)
-            dlogits = logits[rows].to(lse.dtype, copy=True).sub_(lse[rows, None]).exp_()
+            # in the buffer, in fp32: the saved logits are never written over
+            dlogits = buffer[: len(lse[rows])].copy_(logits[rows]).sub_(lse[rows, None]).exp_()
             dlogits.mul_(softmax_scale[rows, None])
             dlogits.scatter_add_(1, targets[rows, None], -g[rows, None])
             grad_logits[rows] = dlogits  # (chunk, V), in the logits' dtype
