@@ -45,6 +45,8 @@ class StackConfig:
     n_heads: int = knob(8, "query heads per attention layer")
     n_kv_heads: int = knob(2, "key/value heads, shared by groups of query heads (GQA, arXiv "
                               "2305.13245)")
+    head_dim: int | None = knob(None, "width of each head's q, k and v; none: d_model/n_heads "
+                                      "(Qwen3-0.6B: 128, on a width of 1,024 with 16 heads)")
     intermediate: int = knob(1408, "SwiGLU hidden width, ~2.75 x d_model")
     max_seq_len: int = knob(2048, "longest sequence the model accepts")
     rope_theta: float = knob(10000.0, "RoPE base frequency (arXiv 2104.09864)")
@@ -67,15 +69,20 @@ class StackConfig:
         if self.ce_chunk_size < 0:
             raise ValueError(f"model.ce_chunk_size={self.ce_chunk_size} must be >= 0 (0: the "
                              f"plain loss head over the whole logits)")
-        if self.d_model % self.n_heads:
+        if self.head_dim is not None and self.head_dim <= 0:
+            raise ValueError(f"model.head_dim={self.head_dim} must be positive, or none for "
+                             f"d_model/n_heads")
+        if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by "
-                             f"model.n_heads={self.n_heads}; pick n_heads dividing d_model")
+                             f"model.n_heads={self.n_heads}; pick n_heads dividing d_model, or "
+                             f"set model.head_dim")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model.n_kv_heads={self.n_kv_heads} does not divide "
                              f"model.n_heads={self.n_heads}; each kv head must serve a whole "
                              f"group of query heads")
-        if self.head_dim % 2:
-            raise ValueError(f"head dim d_model/n_heads={self.head_dim} must be even for RoPE")
+        if self.head_size % 2:
+            raise ValueError(f"each head's width {self.head_size} (model.head_dim, or "
+                             f"d_model/n_heads) must be even for RoPE")
         if self.nope_every < 0:
             raise ValueError(f"model.nope_every={self.nope_every} must be >= 0 (0 = RoPE on "
                              f"every layer)")
@@ -84,8 +91,9 @@ class StackConfig:
                              "the LM head to the embedding")
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def head_size(self) -> int:
+        """D, the width of each head's q, k and v: head_dim, or d_model / n_heads."""
+        return self.head_dim or self.d_model // self.n_heads
 
 
 def tiny_model() -> StackConfig:
@@ -160,8 +168,9 @@ class TrainConfig:
                                         "bf16 natively, else no: fp32)")
     loss_head_dtype: str = knob("fp32", "the chunked loss head's matmul inputs; bf16 keeps fp32 "
                                         "accumulation, logits and logsumexp")
-    activation_recompute: str = knob("none", "none | full | every-N: blocks recomputed in "
-                                             "backward instead of stored")
+    activation_recompute: str = knob("none", "none | full | every-N | selective: blocks "
+                                             "recomputed in backward instead of stored "
+                                             "(selective: their cheap ops only)")
     log_every: int = knob(10, "optimizer steps between log lines",
                           section="logging, evaluation, checkpoints")
     eval_every: int = knob(1_000, "optimizer steps between validation evaluations")
@@ -176,11 +185,17 @@ class TrainConfig:
     downstream_items: int | None = knob(500, "items scored per task: a file's first N, nextline's "
                                              "first N in its seeded order; none: all")
     ckpt_every: int = knob(1_000, "optimizer steps between checkpoints")
+    ckpt_async: bool = knob(False, "write each checkpoint in the background: staged in memory, "
+                                   "then written while training goes on (the last step's "
+                                   "blocks)")
     keep_last_ckpts: int = knob(5, "newest checkpoints kept in out_dir/ckpt; older ones are "
                                    "deleted, except where a data stage or the decay begins")
     resume: str = knob("auto", "auto | none | PATH: auto is the newest checkpoint in out_dir; "
                        "PATH elsewhere is where a branched run begins (it continues its own "
                        "checkpoints once it has them)")
+    init_from: str | None = knob(None, "a transformers folder (Llama, Qwen3, SmolLM3, stacklm's "
+                                       "export): its config.json sets the model's shape, its "
+                                       "weights a fresh run's start (a checkpoint wins)")
     max_epochs: float | None = knob(None, "refuse a run that would read the train split more "
                                            "than this many times (past 4, a plan is warned "
                                            "about either way)")
@@ -188,6 +203,8 @@ class TrainConfig:
     sample_tokens: int = knob(64, "tokens generated for that sample")
     write_report: bool = knob(True, "out_dir/report.md and report.png at every checkpoint and "
                                     "at the end (`python report.py OUT_DIR` makes them any time)")
+    tensorboard: bool = knob(False, "also write the train and eval records' numbers to "
+                                    "out_dir/tb/ for TensorBoard (pip install tensorboard)")
     wandb_mode: str = knob("disabled", "Weights & Biases logging")
     wandb_project: str = knob("stacklm", "Weights & Biases project")
 
@@ -252,7 +269,7 @@ class TrainConfig:
             raise ValueError("loss_head_dtype=bf16 sets the chunked loss head's matmul inputs, "
                              "and model.ce_chunk_size=0 runs the plain head; set "
                              "--model.ce_chunk_size (e.g. 4096) with it, or drop it")
-        self.recompute_every  # raises if activation_recompute is malformed
+        self.block_recompute(0)  # raises if activation_recompute is malformed
         self.stages(None)  # raises if a mixture or a stage is malformed
         check_schedule(self)  # raises if the schedule cannot be laid out, or stops mid-decay
 
@@ -308,20 +325,18 @@ class TrainConfig:
             starts[start] = name
         return sorted((start, parse_mixture(spec, name)) for start, name, spec in tables)
 
-    @property
-    def recompute_every(self) -> int:
-        """Every how many blocks backward recomputes a block's activations instead of keeping
-        them: `none` -> 0, `full` -> 1, `every-N` -> N."""
+    def block_recompute(self, layer: int) -> str:
+        """What block `layer` (from 0) recomputes in backward (model.Block.recompute): "none",
+        "full" (every block, or every N-th, blocks 0, N, 2N, … for every-N) or
+        "selective" (every block: its cheap ops only)."""
         mode = self.activation_recompute
-        if mode == "none":
-            return 0
-        if mode == "full":
-            return 1
+        if mode in ("none", "full", "selective"):
+            return mode
         prefix, _, n = mode.partition("-")
         if prefix != "every" or not n.isdigit() or int(n) < 1:
-            raise ValueError(f"activation_recompute={mode!r} is not none, full or every-N "
-                             f"(e.g. every-2 recomputes every second block)")
-        return int(n)
+            raise ValueError(f"activation_recompute={mode!r} is not none, full, every-N or "
+                             f"selective (e.g. every-2 recomputes every second block)")
+        return "full" if layer % int(n) == 0 else "none"
 
     def batch_summary(self, world_size: int) -> str:
         """E.g. `524,288 tokens/step = 256 seqs x 2,048 = 32 micro x 8 accum x 1 rank`."""

@@ -14,13 +14,16 @@ exported it.
 
 `--format stacklm` writes OUT_DIR/export/ with model.pt (one consolidated state dict,
 whatever the rank count that trained it), config.json (the StackConfig), tokenizer.json
-and provenance.json, which sample.py loads.
+with tokenizer_config.json (the end-of-text token its data used) and provenance.json,
+which sample.py loads.
 
 `--format hf` writes OUT_DIR/export-hf/. Which transformers class reads it depends on the
-shape (model.py's blocks match these to ~1e-6):
+shape (model.py's blocks match these to ~1e-6; a model imported with --init_from goes back
+as the class it came from):
 
+    neither                      LlamaForCausalLM      (SmolLM and SmolLM2 are this)
     QK-norm, no NoPE layers      Qwen3ForCausalLM      (per-head q/k RMSNorm before RoPE)
-    no QK-norm                   SmolLM3ForCausalLM    (its no_rope_layers say which layers
+    NoPE layers, no QK-norm      SmolLM3ForCausalLM    (its no_rope_layers say which layers
                                                         rotate, by stacklm's own rule)
     QK-norm and NoPE layers      StackLMForCausalLM    (no stock class has both: a Qwen3
                                                         subclass in modeling_stacklm.py,
@@ -39,7 +42,7 @@ earlier export's, or a file of that name), removes one of them that this export 
 write (modeling_stacklm.py, for a shape that needs none), and touches nothing else in the
 folder: what a user keeps there (lm-eval's results, a model card) stays.
 
-Imports from stacklm: checkpoint, cli, config, data, log, model and shards: it composes
+Imports from stacklm: checkpoint, cli, config, hf_import, log, model and shards: it composes
 them.
 """
 
@@ -51,16 +54,17 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer
 
-import data
 from config import StackConfig, parse_mixture
 from model import Transformer
-from plumbing import checkpoint, log, shards
+from plumbing import checkpoint, hf_import, log, shards
 from plumbing.cli import ArgumentParser, user_errors
 
 MODELING_FILE = Path(__file__).resolve().parent / "plumbing" / "hf_modeling_stacklm.py"
 # The files each format writes: the only ones an export replaces or removes in its folder.
-STACKLM_FILES = ("model.pt", "config.json", "tokenizer.json", "provenance.json")
+STACKLM_FILES = ("model.pt", "config.json", "tokenizer.json", "tokenizer_config.json",
+                 "provenance.json")
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
             "tokenizer_config.json", "special_tokens_map.json", "modeling_stacklm.py",
             "provenance.json")
@@ -89,14 +93,14 @@ def export(out_dir, fmt: str = "stacklm", resume: str = "auto",
             from None
     provenance = {"checkpoint": str(ckpt), "step": state["step"],
                   "trained_by": state["revision"], "exported_by": log.code_revision()}
+    eos_id = shards.load_manifest(source)["eos_id"]  # each training document opened with it
     if fmt == "hf":
-        out = write_hf(folder, weights, model_cfg, tokenizer,
-                       shards.load_manifest(source)["eos_id"], provenance)
+        out = write_hf(folder, weights, model_cfg, tokenizer, eos_id, provenance)
         remote = ", trust_remote_code=True" if needs_remote_code(model_cfg) else ""
         print(f"exported {ckpt} to {out} as {architecture(model_cfg)}; load it with "
               f"transformers' AutoModelForCausalLM.from_pretrained({str(out)!r}{remote})")
         return out
-    out = write_stacklm(folder, weights, model_cfg, tokenizer, provenance)
+    out = write_stacklm(folder, weights, model_cfg, tokenizer, eos_id, provenance)
     print(f"exported {ckpt} to {out}; try: python sample.py --export {out}")
     return out
 
@@ -195,14 +199,17 @@ def write_folder(folder: Path, names: tuple[str, ...], write) -> Path:
     return folder
 
 
-def write_stacklm(folder: Path, weights: dict, cfg: StackConfig, tokenizer_file,
+def write_stacklm(folder: Path, weights: dict, cfg: StackConfig, tokenizer_file, eos_id: int,
                   provenance: dict) -> Path:
-    """sample.py's folder: model.pt, config.json, tokenizer.json, provenance.json."""
+    """sample.py's folder: model.pt, config.json, tokenizer.json with tokenizer_config.json
+    (its end-of-text token), provenance.json."""
     def write(tmp: Path):
         torch.save(weights, tmp / "model.pt")
         (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
         (tmp / "provenance.json").write_text(json.dumps(provenance, indent=1))
         shutil.copy(tokenizer_file, tmp / "tokenizer.json")
+        (tmp / "tokenizer_config.json").write_text(json.dumps(
+            {"eos_token": token_of(tokenizer_file, eos_id)}, indent=1))
     return write_folder(folder, STACKLM_FILES, write)
 
 
@@ -211,9 +218,10 @@ def write_stacklm(folder: Path, weights: dict, cfg: StackConfig, tokenizer_file,
 # ---------------------------------------------------------------------------------------
 
 def architecture(cfg: StackConfig) -> str:
-    """The transformers class that computes what this shape computes."""
+    """The transformers class that computes what this shape computes (hf_import.FAMILIES
+    reads each back)."""
     if not cfg.qk_norm:
-        return "SmolLM3ForCausalLM"
+        return "SmolLM3ForCausalLM" if cfg.nope_every else "LlamaForCausalLM"
     return "StackLMForCausalLM" if cfg.nope_every else "Qwen3ForCausalLM"
 
 
@@ -226,13 +234,14 @@ def hf_config(cfg: StackConfig, eos_id: int, revision: str) -> dict:
     training, where EOS opens every document."""
     arch = architecture(cfg)
     config = {
-        "architectures": [arch], "model_type": {"Qwen3ForCausalLM": "qwen3",
+        "architectures": [arch], "model_type": {"LlamaForCausalLM": "llama",
+                                                 "Qwen3ForCausalLM": "qwen3",
                                                  "SmolLM3ForCausalLM": "smollm3",
                                                  "StackLMForCausalLM": "stacklm"}[arch],
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
         "intermediate_size": cfg.intermediate, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+        "head_dim": cfg.head_size, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
         "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": True,
         "attention_bias": False, "mlp_bias": False, "use_sliding_window": False,
         # 4.57 reads rope_theta, 5.x rope_parameters: both, or one of them trains on 10,000
@@ -241,7 +250,7 @@ def hf_config(cfg: StackConfig, eos_id: int, revision: str) -> dict:
         "bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id,
         "torch_dtype": "float32", "stacklm_revision": revision,
     }
-    if arch != "Qwen3ForCausalLM":  # 1 = this layer rotates, stacklm's uses_rope rule
+    if cfg.nope_every:  # 1 = this layer rotates, stacklm's uses_rope rule
         config["no_rope_layers"] = [int(not cfg.nope_every or (i + 1) % cfg.nope_every != 0)
                                     for i in range(cfg.n_layers)]
     if needs_remote_code(cfg):
@@ -251,21 +260,11 @@ def hf_config(cfg: StackConfig, eos_id: int, revision: str) -> dict:
 
 
 def hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Stack's parameter names -> transformers'. The head is the embedding (tied): written
-    once, as model.embed_tokens.weight, which transformers ties back."""
-    names = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
-             "attn": "self_attn", "mlp": "mlp"}
-    out = {}
-    for key, tensor in state.items():
-        parts = key.split(".")
-        if key == "embed.weight":
-            name = "model.embed_tokens.weight"
-        elif key == "norm.weight":
-            name = "model.norm.weight"
-        else:  # blocks.N.<module>.<...>
-            name = ".".join(["model", "layers", parts[1], names[parts[2]], *parts[3:]])
-        out[name] = tensor.detach().to(torch.float32).contiguous().clone()
-    return out
+    """Stack's parameter names -> transformers' (hf_import.hf_name). The head is the
+    embedding (tied): written once, as model.embed_tokens.weight, which transformers ties
+    back."""
+    return {hf_import.hf_name(name): tensor.detach().to(torch.float32).contiguous().clone()
+            for name, tensor in state.items()}
 
 
 def write_hf(folder, weights: dict, cfg: StackConfig, tokenizer_file, eos_id: int,
@@ -273,8 +272,8 @@ def write_hf(folder, weights: dict, cfg: StackConfig, tokenizer_file, eos_id: in
     """The transformers folder. `config` replaces the derived config.json (the tests'
     negative controls use it)."""
     config = config or hf_config(cfg, eos_id, provenance["trained_by"])
-    special = {"bos_token": data.EOS_TOKEN, "eos_token": data.EOS_TOKEN,
-               "pad_token": data.EOS_TOKEN}
+    eos = token_of(tokenizer_file, eos_id)
+    special = {"bos_token": eos, "eos_token": eos, "pad_token": eos}
 
     def write(tmp: Path):
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
@@ -293,6 +292,11 @@ def write_hf(folder, weights: dict, cfg: StackConfig, tokenizer_file, eos_id: in
         if config.get("auto_map"):
             shutil.copy(MODELING_FILE, tmp / "modeling_stacklm.py")
     return write_folder(Path(folder), HF_FILES, write)
+
+
+def token_of(tokenizer_file, token_id: int) -> str:
+    """The text of a token of the tokenizer in `tokenizer_file`."""
+    return Tokenizer.from_file(str(tokenizer_file)).id_to_token(token_id)
 
 
 def main(argv=None):

@@ -16,8 +16,8 @@ Shape letters: B batch, T tokens in a row, S keys (T, or the cache length when
 generating), C model width (d_model), H query heads, K key/value heads, D head dim,
 V vocabulary, N = B·T rows of the loss head.
 
-Imports from stacklm: chunked_loss (the loss heads' kernels), config (the model's shape),
-data (the EOS token a sample opens with) and rms_norm (RMSNorm's backward, written out).
+Imports from stacklm: chunked_loss (the loss heads' kernels), config (the model's shape) and
+rms_norm (RMSNorm's backward, written out).
 """
 
 import contextlib
@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
 
 from config import StackConfig
-from data import EOS_TOKEN
 from plumbing.chunked_loss import fused_ce_z_loss, logits_ce_z_loss
 from plumbing.rms_norm import rms_norm
 
@@ -196,20 +196,20 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: StackConfig, use_rope: bool):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_size = cfg.n_heads, cfg.n_kv_heads, cfg.head_size
         self.use_rope = use_rope
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
-        norm = (lambda: RMSNorm(cfg.head_dim, cfg.norm_eps)) if cfg.qk_norm else nn.Identity
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_size, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_size, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_size, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_size, cfg.d_model, bias=False)
+        norm = (lambda: RMSNorm(cfg.head_size, cfg.norm_eps)) if cfg.qk_norm else nn.Identity
         self.q_norm, self.k_norm = norm(), norm()
 
     def forward(self, x, cos, sin, mask, kv_cache: KVCache | None = None):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, K, D)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, K, D)
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_size)  # (B, T, H, D)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_size)  # (B, T, K, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_size)  # (B, T, K, D)
         q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -217,7 +217,7 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)  # (B, K, S, D)
         y = attention(q, k, v, mask)  # (B, H, T, D)
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H·D)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_size)  # (B, T, H·D)
         return self.o_proj(y)  # (B, T, C)
 
 
@@ -237,7 +237,14 @@ class SwiGLU(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm residual block. Takes plain tensors (and the mask built once per forward) so
-    the trainer can torch.compile and FSDP-shard each block on its own."""
+    the trainer can torch.compile and FSDP-shard each block on its own.
+
+    `recompute` trades compute for memory (activation recomputation, also called activation
+    checkpointing): "none" keeps every activation backward needs; "full" keeps only the
+    block's input and recomputes the rest in backward (~1/3 more compute); "selective" keeps
+    what `selective_recompute` names and recomputes the rest. The trainer sets it from
+    TrainConfig.activation_recompute. The recomputation runs inside `forward`, so a compiled
+    block compiles it too, and FSDP2 gathers the block's weights for it as for the forward."""
 
     def __init__(self, cfg: StackConfig, layer: int):
         super().__init__()
@@ -245,10 +252,52 @@ class Block(nn.Module):
         self.attn = Attention(cfg, use_rope=uses_rope(cfg, layer))
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.intermediate)
+        self.recompute = "none"
 
     def forward(self, x, cos, sin, mask, kv_cache: KVCache | None = None):
+        if self.recompute == "none" or not torch.is_grad_enabled():
+            return self.residual(x, cos, sin, mask, kv_cache)
+        if self.recompute == "full":
+            return checkpoint(self.residual, x, cos, sin, mask, use_reentrant=False)
+        return checkpoint(self.residual, x, cos, sin, mask, use_reentrant=False,
+                          context_fn=selective_recompute)
+
+    def residual(self, x, cos, sin, mask, kv_cache: KVCache | None = None):
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, kv_cache)
         return x + self.mlp(self.mlp_norm(x))  # (B, T, C)
+
+
+# Attention's kernels, as autograd sees them on each device: selective recomputation keeps
+# their outputs (recomputing attention costs as much as computing it).
+aten = torch.ops.aten
+ATTENTION_OPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default,  # SDPA on a CPU
+    aten._scaled_dot_product_flash_attention.default,  # SDPA on CUDA
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.higher_order.flex_attention,  # packed documents on CUDA
+}
+
+
+def selective_recompute():
+    """What a block keeps for backward under activation_recompute=selective (torchtitan's
+    "op" policy): the outputs of the expensive ops, attention and every other matmul (the
+    1st, 3rd, 5th and 7th: q_proj, v_proj, gate_proj, down_proj); everything else is
+    recomputed in backward: the other matmuls (k_proj, o_proj, up_proj), and the norms,
+    RoPE, SiLU and casts, elementwise work that costs little to redo. Made anew for each
+    block's forward, so each counts its own matmuls (a count shared by all blocks would
+    keep other matmuls in each: torchtitan #3397); its recomputation counts apart from its
+    forward, and finds the kept outputs by the same count."""
+    matmuls = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, op, *args, **kwargs):
+        if op == aten.mm.default:
+            matmuls["recompute" if ctx.is_recompute else "forward"] += 1
+            keep = matmuls["recompute" if ctx.is_recompute else "forward"] % 2 == 1
+        else:
+            keep = op in ATTENTION_OPS
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(policy)
 
 
 # ---------------------------------------------------------------------------------------
@@ -308,12 +357,8 @@ def fp32_logits(hidden, weight):
 class Transformer(nn.Module):
     """Decoder-only transformer; the LM head is the embedding matrix (tied, arXiv 1608.05859).
 
-    `recompute_every` trades compute for memory (activation recomputation, also called
-    activation checkpointing): every `recompute_every`-th block (blocks 0, N, 2N, …) keeps
-    only its input and recomputes its activations in backward; 0 = none, 1 = every block.
-    It costs ~1/3 more compute and lets the default shape fit 24 GB and 16 GB GPUs. The
-    trainer sets it from TrainConfig.activation_recompute, and `loss_head_dtype` ("fp32" or
-    "bf16", the loss head's matmul operands) from TrainConfig.loss_head_dtype.
+    The trainer sets each block's `recompute` (Block) and `loss_head_dtype` ("fp32" or
+    "bf16", the loss head's matmul operands) from TrainConfig.
     """
 
     def __init__(self, cfg: StackConfig):
@@ -322,7 +367,6 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)  # also the LM head
         self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.recompute_every = 0
         self.loss_head_dtype = "fp32"
         self.init_weights()
 
@@ -397,14 +441,11 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_size, self.cfg.rope_theta)
         mask = attention_mask(seq_ids, input_ids.device)
         x = self.embed(input_ids)  # (B, T, C)
-        for layer, block in enumerate(self.blocks):
-            if self.recompute_every and layer % self.recompute_every == 0:
-                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
-            else:
-                x = block(x, cos, sin, mask)
+        for block in self.blocks:
+            x = block(x, cos, sin, mask)
         return self.norm(x)  # (B, T, C)
 
     @torch.no_grad()
@@ -438,7 +479,7 @@ class Transformer(nn.Module):
         (B, T, V). The new queries see every cached key and, causally, each other."""
         B, T = input_ids.shape
         position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
-        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_size, self.cfg.rope_theta)
         mask = torch.ones(T, start + T, dtype=torch.bool,
                           device=input_ids.device).tril(diagonal=start)  # (T, S)
         x = self.embed(input_ids)  # (B, T, C)
@@ -468,17 +509,17 @@ TEMPERATURE, TOP_K = 0.8, 50
 
 
 def complete(model, tokenizer, prompt: str, max_new_tokens: int,
-             temperature: float = TEMPERATURE, top_k: int | None = TOP_K) -> str:
-    """One completion of `prompt` as text (`tokenizer` is the model's `tokenizers.Tokenizer`),
-    opened with EOS as every training document is, and cut at the first EOS generated."""
-    eot = tokenizer.token_to_id(EOS_TOKEN)
-    ids = [eot] + tokenizer.encode(prompt).ids
+             temperature: float = TEMPERATURE, top_k: int | None = TOP_K, *, eos_id: int) -> str:
+    """One completion of `prompt` as text (`tokenizer` is the model's `tokenizers.Tokenizer`,
+    eos_id the token that opens each document in its data), opened with it as every
+    training document is, and cut where the model generates it."""
+    ids = [eos_id] + tokenizer.encode(prompt).ids
     device = model.embed.weight.device
     tokens = model.generate(torch.tensor([ids], device=device), max_new_tokens,
                             temperature=temperature, top_k=top_k)[0].tolist()
     new = tokens[len(ids):]
-    if eot in new:
-        new = new[:new.index(eot)]
+    if eos_id in new:
+        new = new[:new.index(eos_id)]
     return tokenizer.decode(ids[1:] + new)
 
 
@@ -508,14 +549,14 @@ def count_params(model_or_cfg: nn.Module | StackConfig) -> int:
 
 def count_norm_params(cfg: StackConfig) -> int:
     """RMSNorm gains: two per block, q and k norms if enabled, the final norm."""
-    qk = 2 * cfg.head_dim if cfg.qk_norm else 0
+    qk = 2 * cfg.head_size if cfg.qk_norm else 0
     return cfg.n_layers * (2 * cfg.d_model + qk) + cfg.d_model
 
 
 def count_matmul_params(cfg: StackConfig) -> int:
     """Parameters that take part in a matmul: every projection, and the tied embedding
     once (as the LM head; the lookup itself is free)."""
-    C, D = cfg.d_model, cfg.head_dim
+    C, D = cfg.d_model, cfg.head_size
     attention_ = C * D * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)  # q, o and k, v
     mlp = 3 * C * cfg.intermediate
     return cfg.n_layers * (attention_ + mlp) + cfg.vocab_size * C
@@ -533,7 +574,7 @@ def flops_per_token(cfg: StackConfig, seq_len: int, convention: str = "causal") 
     - "palm": 6·N_matmul + 12·L·H·D·s, PaLM's appendix B (arXiv 2204.02311) and torchtitan's
       MFU convention: the full, unmasked attention cost.
     """
-    L, d_q = cfg.n_layers, cfg.n_heads * cfg.head_dim
+    L, d_q = cfg.n_layers, cfg.n_heads * cfg.head_size
     if convention == "causal":
         return 6 * count_params(cfg) + 6 * L * seq_len * d_q
     if convention == "palm":

@@ -12,7 +12,8 @@ never prepared) is one line on stderr and exit status 2; --debug shows the trace
 
 It writes the format data.py reads, into one directory per corpus:
 
-    data/<name>/tokenizer.json      byte-level BPE with one special token, EOS_TOKEN
+    data/<name>/tokenizer.json      byte-level BPE with one special token, EOS_TOKEN (or a
+                                    --tokenizer reused, with its own end-of-text token)
     data/<name>/train_00000.bin ... raw token ids, uint16 (uint32 if the vocab needs it)
     data/<name>/val_00000.bin ...
     data/<name>/manifest.json       counts, shard list with sha256, tokenizer hash, dtype
@@ -103,7 +104,7 @@ def prepare(source=None, out_dir=None, vocab_size=32768, tokenizer=None, text_fi
     root, files = find_source(source)
     check_parquet(files, text_field)
     check_out_dir(out_dir, Path(source) if source and Path(source).is_dir() else None)
-    reused = check_reused_tokenizer(tokenizer) if tokenizer else None
+    reused = check_reused_tokenizer(tokenizer) if tokenizer else None  # (tokenizer, separator)
     source_name = source or f"stdlib:{root}"
     corpus = Corpus(source, root, files, text_field, subset, split)
     skipped = []
@@ -143,15 +144,16 @@ def write_dataset(build: Path, corpus, source_name, vocab_size, reused, tokenize
     if reused is None:
         # trained on the train split only, so val stays unseen text in every sense
         tok = train_tokenizer(sample(corpus, val_fraction, tokenizer_chars), vocab_size)
-        tokenizer_json = tok.to_str().encode()
+        tokenizer_json, separator = tok.to_str().encode(), EOS_TOKEN
     else:
-        tok, tokenizer_json = reused, Path(tokenizer).read_bytes()
+        (tok, separator), tokenizer_json = reused, Path(tokenizer).read_bytes()
     write_atomic(build / TOKENIZER_FILE, tokenizer_json)
     tokenizer_s = time.time() - start
 
-    # Document text that spells "<|endoftext|>" must stay text, not forge a boundary.
+    # Document text that spells a special token ("<|endoftext|>") must stay text, not forge
+    # a boundary.
     tok.encode_special_tokens = True
-    eos_id, vocab = tok.token_to_id(EOS_TOKEN), vocab_size_of(tok)
+    eos_id, vocab = tok.token_to_id(separator), vocab_size_of(tok)
     dtype = token_dtype(vocab)
     writers = {name: ShardWriter(build, name, dtype, shard_tokens) for name in ("train", "val")}
     skipped = []
@@ -162,7 +164,8 @@ def write_dataset(build: Path, corpus, source_name, vocab_size, reused, tokenize
     check_splits(splits, source_name, val_fraction, first_train_key)
     manifest = {"format_version": FORMAT_VERSION, "source": source_name,
                 "text_field": corpus.text_field, "subset": corpus.subset, "split": corpus.split,
-                "vocab_size": vocab, "eos_id": eos_id, "dtype": dtype.name,
+                "vocab_size": vocab, "eos_id": eos_id, "eos_token": separator,
+                "dtype": dtype.name,
                 "shard_tokens": shard_tokens, "val_fraction": val_fraction,
                 "max_tokens": max_tokens, "tokenizer_chars": tokenizer_chars,
                 "tokenizer": {"file": TOKENIZER_FILE,
@@ -640,21 +643,47 @@ def train_tokenizer(texts, vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def check_reused_tokenizer(path: str) -> Tokenizer:
-    """A --tokenizer must have EOS_TOKEN and be byte-level (token_bytes relies on it)."""
+def check_reused_tokenizer(path: str) -> tuple[Tokenizer, str]:
+    """A --tokenizer must be byte-level (token_bytes relies on it) and name its document
+    separator (`separator_token`); returns it and that token."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"--tokenizer {path} does not exist; pass a tokenizer.json, "
                                 f"e.g. data/stdlib-32k/tokenizer.json")
     tokenizer = Tokenizer.from_file(path)
-    if tokenizer.token_to_id(EOS_TOKEN) is None:
-        raise ValueError(f"--tokenizer {path} has no {EOS_TOKEN!r} token; use a tokenizer "
-                         f"written by prepare.py, or train a new one (omit --tokenizer)")
+    separator = separator_token(Path(path), tokenizer)
     byte_symbols = set(pre_tokenizers.ByteLevel.alphabet())
     added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
     if any(set(token) - byte_symbols for token in tokenizer.get_vocab() if token not in added):
         raise ValueError(f"--tokenizer {path} is not a byte-level BPE tokenizer; use one "
                          f"written by prepare.py, or train a new one (omit --tokenizer)")
-    return tokenizer
+    return tokenizer, separator
+
+
+def separator_token(path: Path, tokenizer: Tokenizer) -> str:
+    """The token that opens each document in the shards: EOS_TOKEN where the tokenizer has
+    it (prepare.py's own, GPT-2's, SmolLM's, Qwen's), else the end-of-text token its model
+    names beside it: tokenizer_config.json's eos_token, or the eos_token_id of
+    generation_config.json or config.json (Llama 3's <|end_of_text|>, say)."""
+    if tokenizer.token_to_id(EOS_TOKEN) is not None:
+        return EOS_TOKEN
+    named = []
+    for name, key in (("tokenizer_config.json", "eos_token"),
+                      ("generation_config.json", "eos_token_id"), ("config.json", "eos_token_id")):
+        try:
+            value = json.loads((path.parent / name).read_text()).get(key)
+        except (OSError, ValueError, AttributeError):
+            continue
+        value = value[0] if isinstance(value, list) and value else value
+        value = value.get("content") if isinstance(value, dict) else value
+        token = tokenizer.id_to_token(value) if isinstance(value, int) else value
+        if isinstance(token, str) and tokenizer.token_to_id(token) is not None:
+            return token
+        named.append(f"{name}'s {key} {value!r}")
+    found = "; ".join(named) if named else "no tokenizer_config.json, generation_config.json " \
+                                           "or config.json beside it names one"
+    raise ValueError(f"--tokenizer {path} has no {EOS_TOKEN!r} token, and no end-of-text token "
+                     f"of its own that it holds ({found}); give the tokenizer.json of a model "
+                     f"folder, with its tokenizer_config.json beside it")
 
 
 def vocab_size_of(tokenizer: Tokenizer) -> int:

@@ -4,11 +4,13 @@
         --temperature 0.8 --top_k 50 --num_samples 2 --seed 1337
 
 The export directory (written by `python export.py OUT_DIR`) holds model.pt (a Transformer
-state_dict), config.json (the StackConfig), tokenizer.json and provenance.json (where it
-came from; sample.py does not need it). A missing or
+state_dict), config.json (the StackConfig), tokenizer.json with tokenizer_config.json (its
+end-of-text token, which opens a completion as it opened each training document) and
+provenance.json (where it came from; sample.py does not need it). A missing or
 damaged export is one line on stderr and exit status 2; --debug shows the traceback.
 
-Imports from stacklm: cli, config and model.
+Imports from stacklm: cli, config, model and prepare (the tokenizer's end-of-text token, by
+its rule).
 """
 
 import argparse
@@ -23,14 +25,16 @@ from tokenizers import Tokenizer
 from config import StackConfig
 from model import TEMPERATURE, TOP_K, Transformer, complete
 from plumbing.cli import ArgumentParser, user_errors
+from prepare import separator_token
 
 # What sampling needs of an export (export.py also writes provenance.json, for people).
 EXPORT_FILES = ("model.pt", "config.json", "tokenizer.json")
 
 
-def load_export(export_dir: str, device: str = "cpu") -> tuple[Transformer, Tokenizer]:
-    """The exported model, in eval mode on `device`, and its tokenizer. Raises ValueError or
-    FileNotFoundError naming the file and how to write a good export."""
+def load_export(export_dir: str, device: str = "cpu") -> tuple[Transformer, Tokenizer, int]:
+    """The exported model, in eval mode on `device`, its tokenizer and the id of its
+    end-of-text token. Raises ValueError or FileNotFoundError naming the file and how to
+    write a good export."""
     export = Path(export_dir)
     if not export.is_dir():
         raise FileNotFoundError(f"--export {export}: no such directory; "
@@ -68,7 +72,8 @@ def load_export(export_dir: str, device: str = "cpu") -> tuple[Transformer, Toke
     except Exception as e:  # tokenizers raises a bare Exception for a malformed file
         raise ValueError(f"{export / 'tokenizer.json'} is not a tokenizer ({e}); "
                          f"{how_to_export(export)}") from e
-    return model.to(device).eval(), tokenizer
+    eos_id = tokenizer.token_to_id(separator_token(export / "tokenizer.json", tokenizer))
+    return model.to(device).eval(), tokenizer, eos_id
 
 
 def checked_device(name: str) -> str:
@@ -116,10 +121,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     with user_errors(args.debug):  # a bad export: one line, no traceback
         torch.manual_seed(args.seed)
-        model, tokenizer = load_export(args.export, checked_device(args.device))
+        model, tokenizer, eos_id = load_export(args.export, checked_device(args.device))
         for _ in range(args.num_samples):
             print(complete(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
-                           args.top_k or None))
+                           args.top_k or None, eos_id=eos_id))
             print("---------------")
 
 

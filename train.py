@@ -14,9 +14,7 @@ the accumulation's gradient sync; train.py shards for FSDP2 itself (`shard_model
 
 Imports from stacklm: checkpoint, cli, config, data, downstream, launch, log, model, optim,
 overrides, preflight, resume and shards: it composes them. config, data, model and optim
-are the lesson beside it; the others are plumbing/, where their plumbing stays: what a run
-checks before any work (preflight), how it meets its launcher (launch), which checkpoint it
-continues (resume), a checkpoint's files (checkpoint), the log (log).
+are the lesson beside it; the others are plumbing/, one concern a file.
 """
 
 import dataclasses
@@ -55,6 +53,7 @@ class Run:
     eval_sources: dict[str, float]  # the sources evaluated, and their shares of val_loss
     tasks: list[downstream.Task]  # the multiple-choice tasks scored beside the val loss
     facts: log.RunFacts  # what the banner and metrics.jsonl's start record say of this start
+    saver: checkpoint.Saver  # writes the checkpoints, blocking or in the background
     step: int = 0  # optimizer steps taken, advanced by the loop
     tokens_seen: int = 0  # tokens trained on, all ranks together
     skipped_steps: int = 0  # updates skipped for a non-finite loss or grad norm, in all
@@ -85,11 +84,12 @@ def main(cfg: TrainConfig, force: bool = False) -> dict:
     # exits 0 (a second Ctrl-C quits now); in setup, after the first step (S + 1 from step S).
     with launch.StopFlag() as stop:
         run = setup(cfg, force)  # force (--force): start even past a CPU's RAM
-        # The log: the terminal, metrics.jsonl (which the run report is drawn from) and wandb.
-        # However the run ends, leaving this block records how, and writes the report.
+        # The log: the terminal, metrics.jsonl (the run report's source), wandb, TensorBoard.
+        # However the run ends, leaving this block records how and writes the report, once
+        # `run.saver` has waited for a checkpoint still being written in the background.
         with log.MetricsLogger(cfg, run.accelerator.is_main_process, run.accelerator.device,
                                run.accelerator.num_processes, log.model_flops(cfg),
-                               start_step=run.step) as logger:
+                               start_step=run.step) as logger, run.saver:
             logger.log_start(log.start_record(cfg, run.facts, run.step, run.tokens_seen))
             metrics = train(run, stop, logger)
             if run.step == cfg.stop_at_step:
@@ -117,7 +117,7 @@ def train(run: Run, stop: launch.StopFlag, logger: log.MetricsLogger) -> dict:
         # and never during a non-finite streak: the weights may already be the damage.
         if (run.step % cfg.ckpt_every == 0 or last_step) and run.step != first_step \
                 and not streak:
-            save_checkpoint(run, logger)
+            save_checkpoint(run, logger, blocking=last_step)  # the last step's: never async
         if last_step:
             return metrics
 
@@ -126,6 +126,7 @@ def train(run: Run, stop: launch.StopFlag, logger: log.MetricsLogger) -> dict:
         run.optimizers.set_lr(optim.lr_multiplier(run.step, cfg))
         run.loader.set_step(run.step)
         result = train_step(run, stop)
+        logger.log_checkpoints(run.saver.poll())  # those written in the background, once done
         run.step += 1
         run.tokens_seen += cfg.global_batch_tokens
         train_seconds += result.seconds
@@ -164,7 +165,8 @@ def setup(cfg: TrainConfig, force: bool = False) -> Run:
         model, *prepared = accelerator.prepare(model, *optimizers.named.values())
         optimizers = optim.Optimizers(dict(zip(optimizers.named, prepared, strict=True)))
     run = Run(cfg, accelerator, model, optimizers, loader, plan.stages, plan.manifests,
-              plan.eval_sources, plan.tasks, plan.facts)
+              plan.eval_sources, plan.tasks, plan.facts,
+              checkpoint.Saver(accelerator, in_background=cfg.ckpt_async))
     run.facts.resumed_from = resume.resume(run, found)  # None: a fresh start
     return run
 
@@ -187,13 +189,10 @@ def train_step(run: Run, stop: launch.StopFlag) -> StepResult:
     Loss normalisation: the loss is the mean over every target token of the global batch,
     all micro-batches on all ranks, as if it were one big batch. Each micro-batch returns
     the *sum* of its token losses, and the global batch's targets are counted before any
-    backward pass. Training batches are packed full windows (data.pack), so every
-    micro-batch holds as many targets as the next and a mean of per-micro-batch means would
-    come out the same; the sum is what stays right where counts differ, since a mean of
-    means weights each token by 1 / (the targets of its micro-batch). They differ in the
-    val split's padded last rows (`val_loss`) and in the downstream tasks' rows (only a
-    choice's tokens are targets), which sum and count the same way; tests/test_fsdp.py masks
-    targets on purpose to check this loop on such batches."""
+    backward pass. A mean of per-micro-batch means would weight each token by 1 / (the
+    targets of its micro-batch): the same on training's packed full windows (data.pack), and
+    wrong where counts differ, as in the val split's padded last rows and the downstream
+    tasks' rows, which sum and count the same way (tests/test_fsdp.py masks targets to see)."""
     cfg, accelerator, model = run.cfg, run.accelerator, run.model
     world = accelerator.num_processes
     accum = cfg.grad_accum_steps(world)
@@ -288,9 +287,8 @@ def val_loss(cfg: TrainConfig, accelerator, model, token_bytes, data_dir) -> dic
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
-    """A batch's (B, T) tensors on `device`, through pinned memory for a GPU (as nanoGPT): from
-    there a non_blocking copy returns at once and the host goes on queueing work; from
-    ordinary memory the host waits for the copy."""
+    """A batch's (B, T) tensors on `device`, through pinned memory for a GPU (as nanoGPT):
+    from there a non_blocking copy returns at once, and the host goes on queueing work."""
     if device.type != "cuda":
         return batch
     return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
@@ -302,7 +300,9 @@ def build_model(cfg: TrainConfig, compile_model: bool) -> Transformer:
     around each block, stay outside the compiled code, which whole-model compiling skips."""
     set_seed(cfg.seed)
     model = Transformer(cfg.model)
-    model.recompute_every, model.loss_head_dtype = cfg.recompute_every, cfg.loss_head_dtype
+    model.loss_head_dtype = cfg.loss_head_dtype
+    for layer, block in enumerate(model.blocks):  # recompute, then compile, then shard
+        block.recompute = cfg.block_recompute(layer)
     if compile_model:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block)
@@ -332,26 +332,26 @@ def shard_model(model: Transformer, device: torch.device, bf16: bool,
     return model
 
 
-def save_checkpoint(run: Run, logger: log.MetricsLogger):
+def save_checkpoint(run: Run, logger: log.MetricsLogger, blocking: bool = True):
     """out_dir/ckpt/step_XXXXXXX: weights, optimizers, RNGs and run.state_dict(), all a
-    bitwise resume needs; then the log records it (and redraws the run report)."""
-    t0 = time.perf_counter()
+    bitwise resume needs, written in the background with ckpt_async unless `blocking`; the
+    log records each checkpoint once complete (and redraws the run report)."""
     # Never pruned: where a stage or the decay leg begins, the branch points of anneals.
     keep = {stage.first_step for stage in run.stages} | {config.wsd_phases(run.cfg).decay_start}
-    checkpoint.save(run.accelerator, run.accelerator.unwrap_model(run.model),
-                    list(run.optimizers.named.values()), run.state_dict(), run.cfg.out_dir,
-                    run.cfg.keep_last_ckpts, keep)
-    logger.log_checkpoint(run.step, time.perf_counter() - t0)
+    logger.log_checkpoints(run.saver.save(
+        run.accelerator.unwrap_model(run.model), list(run.optimizers.named.values()),
+        run.state_dict(), run.cfg.out_dir, run.cfg.keep_last_ckpts, keep, blocking))
 
 
 def sample_text(cfg: TrainConfig, accelerator, model) -> str:
     """A completion of cfg.sample_prompt, on every rank (FSDP needs all); seeded, with the
     training RNG state put back afterwards, so sampling never changes a resumed run."""
-    tokenizer = Tokenizer.from_file(shards.tokenizer_path(config.parse_mixture(cfg.data_dir)[0][0]))
+    source = config.parse_mixture(cfg.data_dir)[0][0]  # every source shares its tokenizer
+    tokenizer = Tokenizer.from_file(shards.tokenizer_path(source))
     with torch.random.fork_rng():  # every torch generator is put back on exit
         torch.manual_seed(cfg.seed)
         return complete(accelerator.unwrap_model(model), tokenizer, cfg.sample_prompt,
-                        cfg.sample_tokens)
+                        cfg.sample_tokens, eos_id=shards.load_manifest(source)["eos_id"])
 
 
 def count_skipped(run: Run, result: StepResult, streak: int, logger: log.MetricsLogger) -> int:

@@ -48,7 +48,7 @@ import optim  # noqa: E402
 import prepare  # noqa: E402
 import train  # noqa: E402
 from model import flops_per_token  # noqa: E402
-from plumbing import cli, launch, log, overrides  # noqa: E402
+from plumbing import checkpoint, cli, launch, log, overrides  # noqa: E402
 
 import cpu_speed  # noqa: E402  (the levers, beside it in bench/)
 
@@ -73,6 +73,12 @@ VARIANTS = [
             drop_seq_ids=True),
     Variant("micro16", "micro-batch 16 instead of 32, twice the accumulation, same batch",
             {"micro_batch_size": 16}),
+    # Activation recomputation at the same micro-batch: what each mode costs in time (and,
+    # in the peak memory column, what it saves) against the default's none.
+    Variant("recompute_selective", "selective recomputation (attention and every other "
+            "matmul kept)", {"activation_recompute": "selective"}),
+    Variant("recompute_full", "full recomputation (each block keeps its input)",
+            {"activation_recompute": "full"}),
     # A micro-batch (32 × 2,048) feeds 65,536 rows to the loss head; ce_chunk_size is 4,096.
     Variant("chunk1024", "loss head 1,024 rows at a time instead of 4,096: less memory",
             {"model.ce_chunk_size": 1024}),
@@ -223,7 +229,8 @@ def measure(variant: Variant, cfg, steps: int, warmup: int, dry_run: bool, t0: f
                                     seed=cfg.seed)
     run = train.Run(cfg=cfg, accelerator=accelerator, model=model, optimizers=optimizers,
                     loader=WithoutDocumentIds(loader) if variant.drop_seq_ids else loader,
-                    stages=[], manifests={}, eval_sources={}, tasks=[], facts=None)
+                    stages=[], manifests={}, eval_sources={}, tasks=[], facts=None,
+                    saver=checkpoint.Saver(accelerator, in_background=False))
     try:
         with launch.StopFlag() as stop:
             for step in range(warmup + steps):

@@ -6,8 +6,11 @@ file, each with a docstring that says what it holds:
     launch         the Accelerator, precision and compile, the launch config's keys, the
                    signals a scheduler sends, the outcome file, leaving the process group
     resume         which checkpoint a run continues, and what a resume may change
-    checkpoint     a checkpoint's files: atomic DCP save, reading without running code, RNG
-    log            the banner, the memory estimate, the log line, MFU, metrics.jsonl, wandb
+    checkpoint     a checkpoint's files: atomic DCP save (blocking or in the background),
+                   reading without running code, RNG
+    hf_import      a transformers folder as a run's starting weights (--init_from)
+    log            the banner, the memory estimate, the log line, MFU, metrics.jsonl, wandb,
+                   TensorBoard
     downstream     the multiple-choice tasks scored in the loop, as lm-eval scores them
     chunked_loss   the loss heads' kernels: cross-entropy + z-loss a chunk of rows at a time
     rms_norm       RMSNorm with its backward written out

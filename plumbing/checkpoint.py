@@ -34,11 +34,15 @@ import pickle
 import random
 import re
 import shutil
+import time
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -231,41 +235,146 @@ def unwrapped_optimizer(optimizer):
     return getattr(optimizer, "optimizer", optimizer)
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint written in the background could not be written (a full disk, say)."""
+
+
+class InFlight(NamedTuple):
+    """A checkpoint being written in the background."""
+    future: Future  # DCP's: done when every rank's shards and the .metadata are written
+    step: int
+    tmp: Path  # step_XXXXXXX.tmp, renamed to step_XXXXXXX once the future is done
+    prune: tuple  # (out_dir, keep_last, keep_steps), for the pruning after the rename
+    started: float  # perf_counter() when its save began
+    blocked: float  # seconds the loop waited for it: checks and staging
+
+
+class Saver:
+    """Writes the run's checkpoints: each out_dir/ckpt/step_XXXXXXX atomically, in one of two
+    ways.
+
+    - Blocking (the default): the loop waits while every byte is written.
+    - In the background (ckpt_async, torchtitan's checkpoint.async_mode = "async"): DCP's
+      async_save first stages the weights and both optimizers, a copy in memory made before
+      `save` returns, so the next optimizer step cannot change what is written; a thread
+      then writes the copy while the loop trains on. It is still written into
+      step_XXXXXXX.tmp and renamed (and only then counted, resumed from or pruned) once
+      every rank's write is done, which `poll` checks at every step. At most one save is in
+      flight: the next save waits for it, and so does a blocking save (the last step's, and
+      the one a stop request makes); leaving the `with` block waits too, so the process
+      group outlives the write. A write that fails in the background stops the run as a
+      CheckpointWriteError naming its step. DCP's background thread runs collectives of its
+      own: over a gloo group of their own, which never interleave with the loop's.
+
+    `save` and `poll` return the saves completed by the call, (step, seconds the loop
+    waited, seconds the write took), for the log."""
+
+    def __init__(self, accelerator, in_background: bool):
+        self.accelerator, self.in_background = accelerator, in_background
+        self.in_flight: InFlight | None = None
+        self.group = dist.new_group(backend="gloo") \
+            if in_background and dist.is_initialized() else None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, traceback):
+        if exc_type is None:
+            self.wait()
+        elif self.in_flight is not None:
+            # After an error the write is let finish (the process group outlives it), but not
+            # counted: the run may have stopped for what those weights hold (a divergence),
+            # and other ranks may be gone. It stays .tmp; a resume takes the one before.
+            with contextlib.suppress(Exception, dcp.CheckpointException):
+                self.in_flight.future.result()
+
+    def save(self, model, optimizers: list, train_state: dict, out_dir, keep_last: int,
+             keep_steps=(), blocking: bool = True) -> list[tuple[int, float, float]]:
+        """Write train_state["step"]'s checkpoint; keep the newest `keep_last`, and those of
+        `keep_steps` whatever their age. `model` is the unwrapped model, `optimizers` the
+        torch optimizers; blocking=False writes it in the background when ckpt_async is on.
+        Non-finite weights are never written over a good checkpoint: each rank checks the
+        values it holds (its shards under FSDP2) and the sum over ranks covers them all."""
+        done = self.wait()
+        started, step = time.perf_counter(), train_state["step"]
+        accelerator = self.accelerator
+        mine = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+        finite = all(bool(torch.isfinite(t).all()) for t in mine)
+        finite_ranks = accelerator.reduce(torch.tensor(float(finite), device=accelerator.device))
+        if finite_ranks.item() < accelerator.num_processes:
+            raise RuntimeError(f"step {step}: the weights hold non-finite values; refusing to "
+                               f"write a checkpoint over the last good one in "
+                               f"{ckpt_root(out_dir)}")
+        final = step_path(out_dir, step)
+        tmp = final.with_name(final.name + ".tmp")
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        torch.save(rng_state(), tmp / f"rng_rank{accelerator.process_index}.pt")
+        if accelerator.is_main_process:
+            (tmp / "train_state.json").write_text(json.dumps(train_state, indent=1))
+        optimizers = [unwrapped_optimizer(o) for o in optimizers]
+        prune = (out_dir, keep_last, tuple(keep_steps))
+        if blocking or not self.in_background:
+            write_weights_and_optimizers(model, optimizers, tmp)
+            self.complete(tmp, prune)
+            seconds = time.perf_counter() - started
+            return done + [(step, seconds, seconds)]
+        model_sd, optim_sd = get_state_dict(model, optimizers)
+        future = dcp.async_save({"model": model_sd, "optim": optim_sd},
+                                checkpoint_id=str(tmp), process_group=self.group)
+        self.in_flight = InFlight(future, step, tmp, prune, started,
+                                  time.perf_counter() - started)
+        return done
+
+    def poll(self) -> list[tuple[int, float, float]]:
+        """At every step: completes the save in flight once every rank's write is done (a
+        collective while one is in flight, so every rank completes it at the same step)."""
+        if self.in_flight is None:
+            return []
+        done = torch.tensor(float(self.in_flight.future.done()), device=self.accelerator.device)
+        if self.accelerator.reduce(done, "sum").item() < self.accelerator.num_processes:
+            return []
+        return self.wait()
+
+    def wait(self) -> list[tuple[int, float, float]]:
+        """Wait for the save in flight, if any, and complete it."""
+        if self.in_flight is None:
+            return []
+        flight, self.in_flight = self.in_flight, None
+        try:
+            flight.future.result()
+        except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException
+            raise CheckpointWriteError(f"the checkpoint of step {flight.step} failed while it "
+                                       f"was written in the background: {failure(e)}; "
+                                       f"{flight.tmp} is incomplete, and the newest complete "
+                                       f"checkpoint is the one before it") from e
+        self.complete(flight.tmp, flight.prune)
+        return [(flight.step, flight.blocked, time.perf_counter() - flight.started)]
+
+    def complete(self, tmp: Path, prune: tuple):
+        """Every rank has written its part of `tmp`: rename it to its step's name, then
+        prune, keeping the newest `keep_last` and every step of `keep_steps`."""
+        out_dir, keep_last, keep_steps = prune
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            final = tmp.with_suffix("")
+            if final.exists():  # one this run did not resume from (a damaged one, say): kept
+                set_aside(final, "replaced")
+            tmp.rename(final)
+            for old in complete_checkpoints(out_dir)[:-keep_last]:
+                if int(old.name.removeprefix("step_")) not in keep_steps:
+                    shutil.rmtree(old)
+        self.accelerator.wait_for_everyone()
+
+
 def save(accelerator, model, optimizers: list, train_state: dict, out_dir,
          keep_last: int, keep_steps=()) -> Path:
-    """Write train_state["step"]'s checkpoint atomically; keep the newest `keep_last`, and
-    those of `keep_steps` whatever their age.
-
-    `model` is the unwrapped model; `optimizers` the torch optimizers. Non-finite weights
-    are never written over a good checkpoint: each rank checks the values it holds (its
-    shards under FSDP2) and the sum over ranks covers them all."""
-    step = train_state["step"]
-    mine = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-    finite = all(bool(torch.isfinite(t).all()) for t in mine)
-    finite_ranks = accelerator.reduce(torch.tensor(float(finite), device=accelerator.device))
-    if finite_ranks.item() < accelerator.num_processes:
-        raise RuntimeError(f"step {step}: the weights hold non-finite values; refusing to "
-                           f"write a checkpoint over the last good one in {ckpt_root(out_dir)}")
-    final = step_path(out_dir, step)
-    tmp = final.with_name(final.name + ".tmp")
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    write_weights_and_optimizers(model, [unwrapped_optimizer(o) for o in optimizers], tmp)
-    torch.save(rng_state(), tmp / f"rng_rank{accelerator.process_index}.pt")
-    if accelerator.is_main_process:
-        (tmp / "train_state.json").write_text(json.dumps(train_state, indent=1))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        if final.exists():  # one this run did not resume from (a damaged one, say): kept
-            set_aside(final, "replaced")
-        tmp.rename(final)
-        for old in complete_checkpoints(out_dir)[:-keep_last]:
-            if int(old.name.removeprefix("step_")) not in keep_steps:
-                shutil.rmtree(old)
-    accelerator.wait_for_everyone()
-    return final
+    """A blocking save (Saver.save) of train_state["step"]'s checkpoint; its path."""
+    Saver(accelerator, in_background=False).save(model, optimizers, train_state, out_dir,
+                                                  keep_last, keep_steps)
+    return step_path(out_dir, train_state["step"])
 
 
 def read_train_state(path: Path) -> dict:

@@ -82,29 +82,33 @@ def peak_flops(device_name: str) -> float | None:
 # ---------------------------------------------------------------------------------------
 
 # Bytes saved for backward per token per block, per unit of d_model, for Stack-shaped
-# blocks (intermediate = 2.75·d_model, 4 query heads per kv head), as counted by
-# torch.autograd.graph.saved_tensors_hooks on d_model=512 blocks (tests/test_log.py
-# recounts them). bf16 autocast keeps the norms' fp32 normalised inputs: not half of fp32.
-ACTIVATION_BYTES_PER_D = {True: 55, False: 80}  # bf16: yes/no
+# blocks (intermediate = 2.75·d_model, 4 query heads per kv head), as counted on d_model=512
+# blocks by tests/test_log.py (the storages a forward leaves alive for backward): all of a
+# block's activations ("none"), and what activation_recompute=selective keeps (the outputs
+# of attention and of every other matmul, model.selective_recompute). bf16 autocast keeps
+# the norms' fp32 normalised inputs: not half of fp32. Keys: bf16 yes/no.
+ACTIVATION_BYTES_PER_D = {"none": {True: 55, False: 80}, "selective": {True: 16, False: 28}}
 
 
 def memory_estimate(cfg, n_params: int, n_muon: int, world: int, sharded: bool,
                     bf16: bool) -> dict[str, float]:
     """A start-up estimate of peak memory per rank, in GiB, to set beside the measured peak
     in the log. fp32 master weights and gradients (4 bytes each), Muon's momentum (4) and
-    AdamW's two moments (8), divided by the rank count under FSDP2; the activations of the
-    blocks that are not recomputed (a recomputed block keeps only its input, and one block
-    at a time is recomputed); one chunk of fp32 logits and their gradient (all the logits
+    AdamW's two moments (8), divided by the rank count under FSDP2; the activations each
+    block keeps for backward (all of them; what selective recomputation keeps; or only its
+    input, where recomputed in full), and one block's whole activations while it is
+    recomputed, one at a time; one chunk of fp32 logits and their gradient (all the logits
     when the head is plain, ce_chunk_size 0)."""
     m = cfg.model
     shard = world if sharded else 1
     tokens = cfg.micro_batch_size * cfg.seq_len
-    block = tokens * ACTIVATION_BYTES_PER_D[bf16] * m.d_model
-    every = cfg.recompute_every
-    recomputed = math.ceil(m.n_layers / every) if every else 0  # blocks 0, every, 2·every, …
-    block_input = tokens * m.d_model * (2 if bf16 else 4)
-    activations = (m.n_layers - recomputed) * block + recomputed * block_input \
-        + (block if recomputed else 0)
+    kept = {mode: tokens * per_d[bf16] * m.d_model
+            for mode, per_d in ACTIVATION_BYTES_PER_D.items()}
+    kept["full"] = tokens * m.d_model * (2 if bf16 else 4)  # the block's input
+    modes = [cfg.block_recompute(layer) for layer in range(m.n_layers)]
+    activations = sum(kept[mode] for mode in modes)
+    if set(modes) != {"none"}:
+        activations += kept["none"]
     gib = 2**30
     budget = {"weights+grads": 8 * n_params / shard / gib,
               "optimizer": (4 * n_muon + 8 * (n_params - n_muon)) / shard / gib,
@@ -417,7 +421,7 @@ class MetricsLogger:
             if is_main and cfg.write_report else None
         self.bar = tqdm(total=cfg.stop_at_step, initial=start_step, dynamic_ncols=True,
                         desc="train", disable=not (is_main and sys.stderr.isatty()))
-        self.jsonl = self.wandb = None
+        self.jsonl = self.wandb = self.tensorboard = None
         if self.main:
             path = Path(cfg.out_dir) / "metrics.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -431,6 +435,8 @@ class MetricsLogger:
                 import wandb
                 self.wandb = wandb.init(project=cfg.wandb_project, mode=cfg.wandb_mode,
                                         dir=cfg.out_dir, config=dataclasses.asdict(cfg))
+            if cfg.tensorboard:
+                self.tensorboard = tensorboard_writer(cfg.out_dir, start_step)
 
     def __enter__(self):
         return self
@@ -449,6 +455,8 @@ class MetricsLogger:
             self.report.final(None if finished else time.monotonic() + STOP_REPORT_WAIT_S)
         if self.wandb is not None:
             self.wandb.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
     def print(self, line: str):
         if self.main:  # tqdm.write prints above the bar, and plainly when there is none
@@ -466,15 +474,22 @@ class MetricsLogger:
             if self.wandb is not None and record["kind"] in ("train", "eval", "skip"):
                 self.wandb.log({k: v for k, v in record.items() if k != "kind"},
                                step=record["step"])
+            if self.tensorboard is not None and record["kind"] in ("train", "eval"):
+                for key, value in scalars(record).items():
+                    self.tensorboard.add_scalar(f"{record['kind']}/{key}", value, record["step"])
 
     def log_start(self, record: dict):
         """What this start of the run is (start_record), before its first line."""
         self.write({"kind": "start", **record})
 
-    def log_checkpoint(self, step: int, seconds: float):
-        """A checkpoint was written at `step`: record it, and redraw the report."""
-        self.write({"kind": "checkpoint", "step": step, "seconds": seconds})
-        if self.report is not None:
+    def log_checkpoints(self, saved: list[tuple[int, float, float]]):
+        """Checkpoints now complete, (step, seconds the loop waited for it, seconds its save
+        took in all: more, when written in the background): record each, and redraw the
+        report."""
+        for step, seconds, write_seconds in saved:
+            self.write({"kind": "checkpoint", "step": step, "seconds": seconds,
+                        "write_seconds": write_seconds})
+        if saved and self.report is not None:
             self.report.draw(final=False)
 
     def log_sample(self, step: int, prompt: str, text: str):
@@ -547,6 +562,30 @@ class MetricsLogger:
         self.print(f"step {step:>6,} | non-finite loss {loss} or grad norm {grad_norm}: "
                    f"update skipped ({skipped_steps} skipped so far)")
         self.write({"kind": "skip", "step": step, "loss": loss, "grad_norm": grad_norm})
+
+
+def check_tensorboard():
+    """--tensorboard=true needs the tensorboard package, which stacklm does not require."""
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        raise ValueError("--tensorboard=true needs the tensorboard package: pip install "
+                         "tensorboard (or drop the flag)") from None
+
+
+def tensorboard_writer(out_dir: str, start_step: int):
+    """A TensorBoard writer for this start of the run: out_dir/tb/<date-time>-step<N>/, one
+    folder per start, as torchtitan writes ./outputs/tb/<date-time>/."""
+    from torch.utils.tensorboard import SummaryWriter  # needs tensorboard: preflight checks
+    name = f"{time.strftime('%Y%m%d-%H%M%S')}-step{start_step}"
+    return SummaryWriter(log_dir=str(Path(out_dir) / "tb" / name))
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """A train or eval record's numbers that are not null (MFU is null on a CPU), by key;
+    `kind` and `step` are where TensorBoard files them."""
+    return {k: v for k, v in record.items() if k not in ("kind", "step")
+            and isinstance(v, int | float) and not isinstance(v, bool)}
 
 
 def last_byte(path: Path) -> bytes:

@@ -8,8 +8,8 @@ config.py's groups, with its default and its one-line description.
 `python config.py --world_size=N [flags]` (`fit_micro_batch_cli`) prints the micro-batch a
 launch on N ranks should use; slurm_fsdp2.sh asks it before any node starts.
 
-Imports from stacklm: cli (the one-line errors) and config (the dataclasses, the presets,
-the knobs' choices).
+Imports from stacklm: cli (the one-line errors), config (the dataclasses, the presets, the
+knobs' choices) and hf_import (the shape of a model --init_from names).
 """
 
 import argparse
@@ -21,6 +21,7 @@ import types
 import typing
 
 from config import CHOICES, PRESETS, StackConfig, TrainConfig
+from plumbing import hf_import
 from plumbing.cli import ArgumentParser, user_errors
 
 
@@ -110,6 +111,13 @@ def _unknown_key(key: str, known: list[str]) -> ValueError:
     return ValueError(f"unknown config key {key!r}{hint}")
 
 
+def _typed(value, kind, key: str):
+    """A value from the command line (a string) or TOML (typed), as the field's type."""
+    if isinstance(value, str) and kind is not str:
+        return _parse_value(value, kind, key)
+    return _check_type(value, kind, key)
+
+
 def apply_overrides(cfg: TrainConfig, overrides: dict[str, typing.Any]) -> TrainConfig:
     """Return a new, validated config with `{"key": value, "model.key": value}` applied.
     Values may be strings (from the CLI) or already typed (from TOML)."""
@@ -122,8 +130,7 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, typing.Any]) -> Train
             else (top, train_types, key)
         if name not in types_ or name == "model":
             raise _unknown_key(key, known)
-        target[name] = _parse_value(value, types_[name], key) if isinstance(value, str) \
-            and types_[name] is not str else _check_type(value, types_[name], key)
+        target[name] = _typed(value, types_[name], key)
     new_model = dataclasses.replace(cfg.model, **model)
     return dataclasses.replace(cfg, model=new_model, **top)
 
@@ -210,7 +217,26 @@ def parse_args(argv: list[str] | None = None, default_preset: str = "stack100m")
             raise ValueError(f"cannot read {item!r}: write overrides as --key=value or "
                              f"--key value")
         overrides[key.replace("-", "_")] = value
+    if str(overrides.get("init_from")).lower() not in ("none", ""):
+        overrides |= public_model_shape(overrides)
     return apply_overrides(cfg, overrides), args
+
+
+def public_model_shape(overrides: dict) -> dict:
+    """The model knobs of --init_from's config.json (`model.<knob>`: value). A model knob
+    the command line or TOML also sets must agree: the weights fix the shape."""
+    folder = overrides["init_from"]
+    shape = hf_import.model_shape(folder)
+    model_types = typing.get_type_hints(StackConfig)
+    for key, value in overrides.items():
+        name = key.removeprefix("model.")
+        if key.startswith("model.") and name in shape:
+            given = _typed(value, model_types[name], key)
+            if given != shape[name]:
+                raise ValueError(f"--{key}={value} disagrees with {folder}/config.json "
+                                 f"({name} {shape[name]}): the imported weights fix the "
+                                 f"model's shape; drop the flag")
+    return {f"model.{name}": value for name, value in shape.items()}
 
 
 def fit_micro_batch_cli(argv=None):

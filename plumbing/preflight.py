@@ -9,8 +9,8 @@ manifest, the tasks, the data plan, what an evaluation reads, the hardware) is w
 banner and metrics.jsonl's start record say; the warnings it collects are printed after
 the banner.
 
-Imports from stacklm: config, data, downstream, launch, log, prepare and shards: it
-composes them.
+Imports from stacklm: config, data, downstream, hf_import, launch, log, prepare and shards:
+it composes them.
 """
 
 import os
@@ -19,7 +19,7 @@ from typing import NamedTuple
 import config
 import data
 import prepare
-from plumbing import downstream, launch, log, shards
+from plumbing import downstream, hf_import, launch, log, shards
 
 
 class Plan(NamedTuple):
@@ -37,6 +37,10 @@ class Plan(NamedTuple):
 def check(cfg, accelerator, force: bool) -> Plan:
     """Refuse a run that cannot work, before any compute, and gather what the banner says.
     `force` (--force) starts a plan past a CPU's RAM anyway."""
+    if cfg.tensorboard:
+        log.check_tensorboard()
+    if cfg.init_from:  # a public model's weights: its shape, and later its tokenizer
+        hf_import.check_shape(cfg)
     in_use, why = launch.precision(cfg)
     warnings = launch.precision_warnings(os.environ, in_use)
     # FSDP2 when the launch config asks for it, on any device: train.py shards the model
@@ -50,6 +54,8 @@ def check(cfg, accelerator, force: bool) -> Plan:
         if accelerator.is_main_process:
             prepare.ensure_builtin(sources + downstream.corpora(cfg), cfg.model.vocab_size)
     manifests = shards.check_sources(sources, cfg.model.vocab_size)
+    if cfg.init_from:  # the data speaks the model's vocabulary (one tokenizer: checked above)
+        hf_import.check_tokenizer(cfg, sources[0])
     tasks = downstream.load_tasks(cfg, sources[0], accelerator.num_processes)
     eval_sources = data.val_shares(stages, manifests)  # sources with a val split, by weight
     data_plan = config.data_plan(cfg, stages, {d: data.windows_per_epoch(m, "train", cfg.seq_len)

@@ -3,20 +3,23 @@
 `candidates` lists the checkpoints a run may continue, newest first (its own, or where a
 branched run begins); `check_unfinished` stops a run that would train nothing; `resume`
 continues the first one that reads, setting damaged ones aside, and `restore` reads it into
-a run. What a resume may change is decided here too (`check_resume`): the model's shape,
+a run. A fresh run with --init_from begins from a public model's weights instead
+(`start_from_public_model`), until it has checkpoints of its own. What a resume may change is decided here too (`check_resume`): the model's shape,
 the data order and the matrix optimizer are fixed, a data stage that has begun cannot
 change, and every other knob given on the command line wins, said aloud.
 
 Imports from stacklm: checkpoint (a checkpoint's files), cli (NothingToDo, for a run that
-would train nothing) and config (the differences between two configs).
+would train nothing), config (the differences between two configs) and hf_import (a public
+model's weights, where a fresh run with --init_from begins).
 """
 
 from pathlib import Path
 
 from accelerate.utils import gather_object
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from config import TrainConfig, differences
-from plumbing import checkpoint
+from plumbing import checkpoint, hf_import
 from plumbing.checkpoint import DamagedCheckpointError, UnsafeCheckpointError, read_train_state
 from plumbing.cli import NothingToDo
 
@@ -92,9 +95,11 @@ def resume(run, found: list[Path]) -> str | None:
             raise UnsafeCheckpointError(unsafe)
         named = setting != "auto" and Path(path).resolve() == Path(setting).resolve()
         if not damaged:
-            began = "" if setting == "auto" or named else \
-                f" (its own; --resume={setting} is where this run began: to begin there " \
-                f"again, use a new --out_dir)"
+            origin = f"--resume={setting}" if setting != "auto" else \
+                f"--init_from={run.cfg.init_from}" if run.cfg.init_from else None
+            began = "" if origin is None or named else \
+                f" (its own; {origin} is where this run began: to begin there again, use a " \
+                f"new --out_dir)"
             accelerator.print(f"resumed from {path} at step {run.step:,}{began}")
             return str(Path(path).resolve())
         if named:
@@ -110,7 +115,22 @@ def resume(run, found: list[Path]) -> str | None:
         raise ValueError(f"no checkpoint in {checkpoint.ckpt_root(run.cfg.out_dir)} can be read "
                          f"(see the warnings above; each is kept as .damaged); --resume=none "
                          f"starts afresh")
+    if run.cfg.init_from:
+        start_from_public_model(run)
     return None
+
+
+def start_from_public_model(run):
+    """A fresh run with --init_from: the transformers folder's weights (as fp32 master
+    weights) into the model, sharded or not. Everything else starts as any fresh run does:
+    step 0, empty optimizers, the schedule's warmup."""
+    folder = run.cfg.init_from
+    weights = hf_import.read_weights(folder, run.cfg.model)
+    set_model_state_dict(run.accelerator.unwrap_model(run.model), weights,
+                         options=StateDictOptions(full_state_dict=True))
+    architecture = hf_import.read_config(folder)["architectures"][0]
+    run.accelerator.print(f"init: {architecture} weights from {folder}; step 0, the optimizers "
+                          f"fresh, the warmup from its start")
 
 
 def shared_verdicts(accelerator, error: Exception | None) -> tuple[str | None, str | None]:

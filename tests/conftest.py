@@ -9,6 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import config
 import prepare
@@ -112,3 +116,27 @@ def copy_of(prepared, tmp_path) -> Path:
     target = tmp_path / "copy"
     shutil.copytree(prepared, target)
     return target
+
+
+class KeptForBackward(TorchDispatchMode):
+    """Counts the bytes a forward leaves alive: every storage an op makes while the mode is
+    on, held by a weak reference, and still alive when asked (`bytes`). Run over a forward
+    whose output is kept, that is what autograd keeps for backward, however it keeps it:
+    tensors saved by autograd's nodes, and the outputs selective recomputation caches
+    outside them (saved-tensor hooks see neither inside a checkpointed region)."""
+
+    def __init__(self, exclude=()):
+        super().__init__()
+        self.made = {}  # data_ptr -> (weak reference, bytes)
+        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}  # weights, inputs
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.exclude:
+                storage = t.untyped_storage()
+                self.made[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        return out
+
+    def bytes(self) -> int:
+        return sum(n for ref, n in self.made.values() if not ref.expired())

@@ -10,7 +10,7 @@ accelerate does not shard on CPU (it would wrap the sharded model in DDP over gl
 `shard_model` is the whole of FSDP2 here, as it is on GPUs.
 
 ACTION
-  train               STEPS steps of `fsdp_config` with every block's activations recomputed;
+  train               STEPS steps of `fsdp_config` with every block selectively recomputed;
                       rank 0 writes each step's loss and pre-clip grad norm to OUT/train.json
                       and the full weights to OUT/weights.pt, and every rank writes what
                       accelerate reports about the world, and whether block 0 was resharded
@@ -105,7 +105,8 @@ def make_run(cfg, data_dir: str) -> train.Run:
     facts = log.RunFacts(log.hardware(accelerator, True, (False, "test"), "test"), "test", [],
                          {data_dir: 1.0}, {data_dir: 1})
     return train.Run(cfg, accelerator, model, optimizers, loader, stages,
-                     {data_dir: shards.load_manifest(data_dir)}, {data_dir: 1.0}, [], facts)
+                     {data_dir: shards.load_manifest(data_dir)}, {data_dir: 1.0}, [], facts,
+                     checkpoint.Saver(accelerator, in_background=False))
 
 
 def train_steps(run: train.Run) -> list[train.StepResult]:
@@ -155,9 +156,10 @@ def full_state(model, optimizers: list) -> dict:
 
 
 def train_and_report(data_dir: str, out: Path, mistake: str | None = None):
-    """STEPS steps with every block's activations recomputed (recompute under FSDP2 must
-    give the plain reference's gradients), and `mistake` made, if any; the results in out."""
-    cfg = fsdp_config(data_dir, str(out), activation_recompute="full")
+    """STEPS steps with every block's activations selectively recomputed (recomputation under
+    FSDP2 must give the plain reference's gradients: FSDP2 gathers each block's weights for
+    it, as for the forward), and `mistake` made, if any; the results in out."""
+    cfg = fsdp_config(data_dir, str(out), activation_recompute="selective")
     run = make_run(cfg, data_dir)
     resharding = watch_resharding(run.model)
     if mistake == "mean_of_means":

@@ -35,7 +35,8 @@ def test_gpu_sweep_dry_run_reports_every_variant():
     rows = {row["name"]: row for row in report["variants"]}
     assert list(rows) == [v.name for v in gpu_sweep.VARIANTS]
     assert {"default", "head_bf16", "micro16", "chunk1024", "chunk16384", "causal_only",
-            "ns_fp32", "whole_compile", "rms_norm_autograd", "ns_separate"} <= set(rows)
+            "ns_fp32", "whole_compile", "rms_norm_autograd", "ns_separate",
+            "recompute_selective", "recompute_full"} <= set(rows)
     for name, row in rows.items():
         if row["error"] is not None:
             assert isinstance(row["error"], str) and row["error"], name

@@ -3,6 +3,7 @@
 import os
 import random
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -155,3 +156,78 @@ def test_signals_after_the_first(monkeypatch, capfd):
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.requested
     assert capfd.readouterr().err == ""
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoints written in the background (ckpt_async)
+# ---------------------------------------------------------------------------------------
+
+def every_tensor(path) -> dict:
+    """Every tensor of a DCP checkpoint folder (weights and both optimizers' state), by name,
+    read through DCP's own consolidation, not through stacklm's reader."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    flat = path.with_name(path.name + ".pt")
+    dcp_to_torch_save(path, flat)
+    found = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(f"{prefix}.{key}", inner)
+        elif isinstance(value, torch.Tensor):
+            found[prefix] = value
+    walk("", torch.load(flat, weights_only=False))  # the test's own file
+    return found
+
+
+def slow_writes(monkeypatch, seconds: float, error: OSError | None = None):
+    """DCP's file writer waits `seconds` before it writes (and then raises `error`, if
+    given): a save stays in flight long enough to act while it is."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    write = FileSystemWriter.write_data
+
+    def slow(self, plan, planner):
+        time.sleep(seconds)
+        if error is not None:
+            raise error
+        return write(self, plan, planner)
+    monkeypatch.setattr(FileSystemWriter, "write_data", slow)
+
+
+def test_the_staged_copy_is_taken_before_the_next_step_changes_the_weights(tmp_path,
+                                                                           monkeypatch):
+    """A background save returns once its copy is staged: weights and optimizer state
+    changed after that (the next optimizer step) do not reach the file, however slowly it
+    is written; it becomes step_0000001 only once complete."""
+    model, optimizers = small_run()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    slow_writes(monkeypatch, 0.5)
+    saver = checkpoint.Saver(Accelerator(cpu=True), in_background=True)
+    state = {"step": 1, "tokens_seen": 0}
+    assert saver.save(model, optimizers, state, tmp_path, keep_last=5, blocking=False) == []
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert checkpoint.complete_checkpoints(tmp_path) == []  # still being written
+    [(step, waited, took)] = saver.wait()
+    assert step == 1 and waited < 0.5 <= took
+    written = every_tensor(checkpoint.step_path(tmp_path, 1))
+    for name, value in before.items():
+        assert torch.equal(written[f".model.{name}"], value), name
+
+
+def test_a_background_write_that_fails_stops_the_run_naming_its_step(tmp_path, monkeypatch):
+    """The error DCP's thread meets is the run's error, with the step it belongs to, never
+    swallowed; the folder stays .tmp, and the newest complete checkpoint is the one before."""
+    model, optimizers = small_run()
+    saver = checkpoint.Saver(Accelerator(cpu=True), in_background=True)
+    saver.save(model, optimizers, {"step": 2, "tokens_seen": 0}, tmp_path, keep_last=5)
+    slow_writes(monkeypatch, 0.0, OSError(28, "No space left on device"))
+    saver.save(model, optimizers, {"step": 4, "tokens_seen": 0}, tmp_path, keep_last=5,
+               blocking=False)
+    with pytest.raises(checkpoint.CheckpointWriteError,
+                       match=r"the checkpoint of step 4 failed while it was written in the "
+                             r"background: .*No space left on device"):
+        saver.wait()
+    assert checkpoint.complete_checkpoints(tmp_path) == [checkpoint.step_path(tmp_path, 2)]
+    assert (tmp_path / "ckpt" / "step_0000004.tmp").is_dir()

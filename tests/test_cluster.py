@@ -327,8 +327,11 @@ def test_sigterm_to_the_launcher_alone_saves_and_records_the_stop(small_data_dir
     elastic agent passes it on to each rank and waits for them; each saves and exits 0, and
     the outcome file says the run stopped cleanly. The launcher's own exit status is not
     asserted: it says nothing about the ranks, and it differs between the accelerate
-    versions requirements.txt admits (1.15's exits 1, 1.16's 143)."""
-    cfg = preemptible(small_data_dir, str(tmp_path / "run"))
+    versions requirements.txt admits (1.15's exits 1, 1.16's 143). Checkpoints are written
+    in the background every 2 steps (ckpt_async), so one is often in flight when the signal
+    comes: it is completed before the step in flight is saved, and none is left .tmp."""
+    cfg = dataclasses.replace(preemptible(small_data_dir, str(tmp_path / "run")),
+                              ckpt_async=True, ckpt_every=2)
     launcher = start_two_ranks(cfg, tmp_path / "out")
     wait_for_steps(cfg, 3, launcher)
     launcher.send_signal(signal.SIGTERM)
@@ -337,6 +340,7 @@ def test_sigterm_to_the_launcher_alone_saves_and_records_the_stop(small_data_dir
     word, stopped_at = outcome(tmp_path / "out")
     assert word == "stopped" and 3 <= stopped_at < 60, output[-3000:]
     assert checkpoint.find(cfg.out_dir, "auto") == checkpoint.step_path(cfg.out_dir, stopped_at)
+    assert not list(checkpoint.ckpt_root(cfg.out_dir).glob("*.tmp"))
     assert processes_of(cfg.out_dir) == []
 
     train.main(cfg)  # the rerun, in one process: the 2-rank checkpoint reshards onto 1

@@ -138,10 +138,12 @@ def test_run_errors_name_the_field(change, message):
 
 
 def test_activation_recompute_modes():
-    modes = {"none": 0, "full": 1, "every-1": 1, "every-3": 3, "every-12": 12}
-    for mode, every in modes.items():
+    """Which blocks recompute what, for six blocks (every-N: blocks 0, N, 2N, …)."""
+    modes = {"none": "nnnnnn", "full": "ffffff", "every-1": "ffffff", "every-3": "fnnfnn",
+             "every-12": "fnnnnn", "selective": "ssssss"}
+    for mode, blocks in modes.items():
         cfg = dataclasses.replace(config.tiny(), activation_recompute=mode)
-        assert cfg.recompute_every == every
+        assert "".join(cfg.block_recompute(layer)[0] for layer in range(6)) == blocks, mode
 
 
 def test_overrides_return_a_new_config():

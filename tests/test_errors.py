@@ -44,7 +44,7 @@ BAD_FLAGS = [
     (["--compile_model=maybe"], "compile_model='maybe' is not one of"),
     (["--mixed_precision=fp16"], "mixed_precision='fp16' is not one of"),
     (["--decay_shape=exp"], "decay_shape='exp' is not one of"),
-    (["--activation_recompute=half"], "is not none, full or every-N"),
+    (["--activation_recompute=half"], "is not none, full, every-N or selective"),
     (["--global_batch_tokens=1000"], "global_batch_tokens=1,000 is not divisible"),
     (["--stop_at_step=9"], "stop_at_step=9 is past total_steps=8"),
     (["--warmup_steps=7"], "exceed total_steps=8"),

@@ -58,7 +58,8 @@ def test_the_export_is_the_trained_model_with_its_own_shape(trained, capsys):
     assert (folder / "tokenizer.json").read_bytes() == \
         (Path(trained.data_dir) / "tokenizer.json").read_bytes()
 
-    exported, tokenizer = sample.load_export(str(folder))
+    exported, tokenizer, eos_id = sample.load_export(str(folder))
+    assert eos_id == tokenizer.token_to_id("<|endoftext|>")
     reference = trained_model(trained, 8)
     ids = [tokenizer.token_to_id("<|endoftext|>")] + tokenizer.encode("import json\n").ids * 4
     torch.testing.assert_close(logits(exported, ids), logits(reference, ids), rtol=0, atol=0)
@@ -71,7 +72,8 @@ def test_the_export_is_the_trained_model_with_its_own_shape(trained, capsys):
 
     # sample.py's greedy completion, in a process of its own, is the trained model's
     want = complete(reference, Tokenizer.from_file(str(Path(trained.data_dir) /
-                           "tokenizer.json")), PROMPT, 16, temperature=0, top_k=None)
+                           "tokenizer.json")), PROMPT, 16, temperature=0, top_k=None,
+                    eos_id=eos_id)
     done = subprocess.run([sys.executable, "sample.py", "--export", str(folder), "--prompt",
                            PROMPT, "--max_new_tokens", "16", "--temperature", "0",
                            "--num_samples", "1"], cwd=REPO, capture_output=True, text=True,

@@ -108,8 +108,8 @@ def two_nodes(small_data_dir, tmp_path_factory) -> Path:
 
 @pytest.mark.distributed
 def test_sharded_train_step_across_two_nodes_equals_single_process_main(two_nodes, reference):
-    """train.train_step under FSDP2 on two nodes, accumulation 3, every block's activations
-    recomputed, Muon's sharded path, AdamW, the chunked loss, and each block's weights
+    """train.train_step under FSDP2 on two nodes, accumulation 3, every block selectively
+    recomputed (model.selective_recompute), Muon's sharded path, AdamW, the chunked loss, and each block's weights
     gathered from its forward to its backward (reshard_after_forward false): equal, within
     the tolerances, to train.main in one process on the same global batch as one
     micro-batch. Masked targets give the micro-batches 2 to 128 targets each, so only
@@ -333,10 +333,13 @@ def uninterrupted(small_data_dir, tmp_path_factory):
 def test_an_fsdp2_run_stopped_by_sigterm_resumes_on_one_rank_and_on_three(
         uninterrupted, tmp_path):
     """SIGTERM to both FSDP2 ranks mid-run (as SLURM signals every process): the step in
-    flight is saved, sharded, each rank exits 0, the outcome file says stopped. The
-    checkpoint then continues on 1 process and on 3 FSDP2 ranks, each within README's FSDP2
-    tolerance of the run never stopped."""
-    cfg = dataclasses.replace(uninterrupted, out_dir=str(tmp_path / "stopped"))
+    flight is saved, sharded, each rank exits 0, the outcome file says stopped. Checkpoints
+    are written in the background every 2 steps (ckpt_async), over the ranks' own gloo
+    group: one in flight when the signal comes is completed first, and none is left .tmp.
+    The checkpoint then continues on 1 process and on 3 FSDP2 ranks, each within README's
+    FSDP2 tolerance of the run never stopped."""
+    cfg = dataclasses.replace(uninterrupted, out_dir=str(tmp_path / "stopped"), ckpt_async=True,
+                              ckpt_every=2)
     launcher = launch_fsdp2(cfg, 2, tmp_path / "outcome")
     wait_for_steps(cfg, 3, launcher)
     for pid in processes_of(cfg.out_dir):
@@ -347,6 +350,7 @@ def test_an_fsdp2_run_stopped_by_sigterm_resumes_on_one_rank_and_on_three(
     word, stopped_at = (tmp_path / "outcome").read_text().split()
     assert word == "stopped" and 3 <= int(stopped_at) < 24, output[-3000:]
     assert checkpoint.newest(cfg.out_dir).endswith(f"step_{int(stopped_at):07d}")
+    assert not list(checkpoint.ckpt_root(cfg.out_dir).glob("*.tmp"))
     for ranks in (1, 3):
         resumed = dataclasses.replace(cfg, out_dir=str(tmp_path / f"on{ranks}"))
         shutil.copytree(cfg.out_dir, resumed.out_dir)

@@ -30,7 +30,7 @@ transformers.logging.set_verbosity_error()
 TOLERANCE = 1e-5  # fp32; measured differences are ~4e-7
 SHAPES = {  # (qk_norm, nope_every) -> the class that must read it
     (True, 0): "Qwen3ForCausalLM", (False, 2): "SmolLM3ForCausalLM",
-    (False, 0): "SmolLM3ForCausalLM", (True, 2): "StackLMForCausalLM"}
+    (False, 0): "LlamaForCausalLM", (True, 2): "StackLMForCausalLM"}
 PROVENANCE = {"trained_by": "x"}  # what write_hf records of the checkpoint it writes
 TEXTS = ["def f(x):\n    return x  # café ☕\n", "import json, os\n\n\nclass A:\n  pass"]
 

@@ -267,7 +267,7 @@ def test_the_handoff_trains_exactly_as_both_stages_from_the_start(sources, tmp_p
     metrics = train.main(branch)
     assert {p: p.stat().st_mtime_ns for p in Path(stable.out_dir).rglob("*")} == before
     assert metrics["sample"].startswith(branch.sample_prompt)  # the end-of-run sample works
-    exported, _ = sample.load_export(str(export.export(branch.out_dir)))
+    exported, _, _ = sample.load_export(str(export.export(branch.out_dir)))
     assert exported.cfg == branch.model  # and so does the export, after a mixture and anneal
     assert losses(branch) == [r for r in losses(both) if r[0] > 16]
     assert checkpoint_weights_equal(both, branch, 20)

@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import config
 import model as M
+from conftest import KeptForBackward
 from plumbing import overrides
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -276,7 +277,7 @@ def explicit_attention_layer(attn, x, cos, sin, norm_first: bool):
     """Attention written out from its parts: project, RMSNorm each head's q and k with the
     gains (F.rms_norm), rotate each (i, i + D/2) pair by hand, causal SDPA with the kv heads
     repeated for GQA, output projection. norm_first=False rotates before the norm."""
-    (B, T, _), D = x.shape, attn.head_dim
+    (B, T, _), D = x.shape, attn.head_size
     q = (x @ attn.q_proj.weight.T).view(B, T, -1, D)  # (B, T, H, D)
     k = (x @ attn.k_proj.weight.T).view(B, T, -1, D)  # (B, T, K, D)
     v = (x @ attn.v_proj.weight.T).view(B, T, -1, D)  # (B, T, K, D)
@@ -476,33 +477,82 @@ def test_bf16_autocast_training_step_is_close_to_fp32():
 # ---------------------------------------------------------------------------------------
 
 
-def saved_tensor_count(model, ids) -> int:
-    count = 0
-
-    def pack(t):
-        nonlocal count
-        count += 1
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(ids, targets=ids)
-    return count
+RECOMPUTE_MODES = ("none", "selective", "full", "every-2")
 
 
-def test_activation_recompute_keeps_gradients_and_saves_fewer_tensors():
+def recomputed(model: M.Transformer, mode: str) -> M.Transformer:
+    """The model with activation_recompute=mode, as the trainer sets it."""
+    cfg = overrides.apply_overrides(config.tiny(), {"activation_recompute": mode})
+    for layer, block in enumerate(model.blocks):
+        block.recompute = cfg.block_recompute(layer)
+    return model
+
+
+def step_under(model, ids, seq_ids, bf16: bool):
+    """Loss, gradients, the bytes the forward left for backward (conftest.KeptForBackward)
+    and the FLOPs of forward + backward (FlopCounterMode: recomputation included)."""
+    model.zero_grad()
+    keeper = KeptForBackward(exclude=list(model.parameters()) + [ids, seq_ids])
+    with FlopCounterMode(display=False) as flops:
+        with keeper, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(ids, targets=ids, seq_ids=seq_ids).loss
+        kept = keeper.bytes()
+        loss.backward()
+    return loss, [p.grad.clone() for p in model.parameters()], kept, flops.get_total_flops()
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_recomputation_keeps_the_gradients_and_trades_memory_for_compute(bf16):
+    """Every mode's loss and gradients are those of none, bitwise: recomputation runs the
+    same CPU kernels on the same inputs, which give the same bits. Selective recomputation
+    keeps strictly less than none and more than full for backward, and recomputes strictly
+    more than none and less than full (FlopCounterMode counts the recomputed matmuls)."""
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+    seq_ids = (torch.arange(24) >= 10).long().expand(2, 24)  # two documents a row
     model = small_model()
-    ids = torch.randint(0, 97, (2, 10))
-    grads, saved = {}, {}
-    for every in (0, 1, 2):
-        model.recompute_every = every
-        model.zero_grad()
-        model(ids, targets=ids).loss.backward()
-        grads[every] = [p.grad.clone() for p in model.parameters()]
-        saved[every] = saved_tensor_count(model, ids)
-    for every in (1, 2):
-        for got, want in zip(grads[every], grads[0], strict=True):
-            torch.testing.assert_close(got, want)
-    assert saved[1] < saved[2] < saved[0]
+    runs = {mode: step_under(recomputed(model, mode), ids, seq_ids, bf16)
+            for mode in RECOMPUTE_MODES}
+    loss, grads, _, _ = runs["none"]
+    for mode in RECOMPUTE_MODES[1:]:
+        assert torch.equal(runs[mode][0], loss), mode
+        assert all(torch.equal(a, b) for a, b in zip(runs[mode][1], grads, strict=True)), mode
+    kept = {mode: run[2] for mode, run in runs.items()}
+    flops = {mode: run[3] for mode, run in runs.items()}
+    assert kept["full"] < kept["every-2"] < kept["none"]
+    assert kept["full"] < kept["selective"] < kept["none"]
+    assert flops["none"] < flops["selective"] < flops["full"]
+
+
+def test_selective_recomputation_keeps_attention_and_every_other_matmul_of_each_block():
+    """The policy, per block: of a block's seven matmuls it keeps the 1st, 3rd, 5th and 7th
+    (q, v, gate and down) and attention's output, and no other op's, whatever the blocks
+    before it did (a count shared by the blocks would shift it). (torch 2.13 replays these
+    forward decisions when it recomputes; earlier versions ask the policy again, which
+    counts its recomputation apart.)"""
+    policies = []  # per block call: [(op, kept)] in the forward
+
+    def recording(policy):
+        decisions = []
+        policies.append(decisions)
+
+        def wrapped(ctx, op, *args, **kwargs):
+            decision = policy(ctx, op, *args, **kwargs)
+            if not ctx.is_recompute:
+                decisions.append((op, decision == M.CheckpointPolicy.MUST_SAVE))
+            return decision
+        return real(wrapped)
+    real = M.create_selective_checkpoint_contexts
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+    model = recomputed(small_model(n_layers=3), "selective")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(M, "create_selective_checkpoint_contexts", recording)
+        model(ids, targets=ids, seq_ids=torch.zeros_like(ids)).loss.backward()
+    mm = torch.ops.aten.mm.default
+    sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert len(policies) == 3
+    for decisions in policies:
+        assert [kept for op, kept in decisions if op == mm] == [True, False] * 3 + [True]
+        assert [op for op, kept in decisions if kept and op != mm] == [sdpa]
 
 
 def test_init_weights_follows_its_docstring():
@@ -570,7 +620,7 @@ def test_flop_counts_match_flop_counter_mode():
     # Causal convention: counts norm gains (no matmul; 0.5% of N here) and half the
     # attention. Adding back the masked half the dense kernel still computes, it agrees
     # with the counter to the norm gains' share: tolerance 1%.
-    masked_half = 6 * cfg.n_layers * T * cfg.n_heads * cfg.head_dim
+    masked_half = 6 * cfg.n_layers * T * cfg.n_heads * cfg.head_size
     assert (M.flops_per_token(cfg, T, "causal") + masked_half) * tokens == \
         pytest.approx(train, rel=0.01)
     # The chunked head recomputes its logits in backward: one extra head forward, 2·V·C
@@ -675,9 +725,10 @@ def test_greedy_completion_is_the_whole_generated_text(tmp_path):
     import sample
 
     write_tiny_export(str(tmp_path), init_std=0.3)  # at 0.02 it repeats one token
-    model, tokenizer = sample.load_export(str(tmp_path))
+    model, tokenizer, eos_id = sample.load_export(str(tmp_path))
     want = greedy_text(model, tokenizer, "def add(", 24)
-    assert M.complete(model, tokenizer, "def add(", 24, temperature=0, top_k=None) == want
+    assert M.complete(model, tokenizer, "def add(", 24, temperature=0, top_k=None,
+                      eos_id=eos_id) == want
     assert want.startswith("def add(") and len(want) > len("def add(") + 10
 
 
@@ -694,7 +745,7 @@ def test_completion_stops_at_the_first_end_of_text():
     scripted = types.SimpleNamespace(
         embed=types.SimpleNamespace(weight=torch.zeros(1)),
         generate=lambda ids, n, temperature, top_k: torch.cat([ids, continuation], dim=1))
-    assert M.complete(scripted, tokenizer, "x", 4, temperature=0, top_k=None) == \
+    assert M.complete(scripted, tokenizer, "x", 4, temperature=0, top_k=None, eos_id=0) == \
         tokenizer.decode([1, 2, 3])
 
 
@@ -712,7 +763,7 @@ def test_sample_cli_prints_whole_greedy_completions(tmp_path):
         capture_output=True, text=True, encoding="utf-8", timeout=60, cwd=str(tmp_path),
         env=os.environ | {"PYTHONIOENCODING": "utf-8"})
     assert result.returncode == 0, result.stderr
-    model, tokenizer = sample.load_export(str(export))
+    model, tokenizer, _ = sample.load_export(str(export))
     want = greedy_text(model, tokenizer, "def ", 16)
     assert result.stdout == f"{want}\n---------------\n" * 2
 
@@ -721,12 +772,12 @@ def test_load_export_round_trips_the_weights(tmp_path):
     import sample
 
     cfg = write_tiny_export(str(tmp_path))
-    model, tokenizer = sample.load_export(str(tmp_path))
+    model, tokenizer, eos_id = sample.load_export(str(tmp_path))
     torch.manual_seed(0)
     fresh = M.Transformer(cfg)
     for (name, p), q in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
-    assert tokenizer.token_to_id("<|endoftext|>") is not None
+    assert eos_id == tokenizer.token_to_id("<|endoftext|>") is not None
     assert not model.training
 
 

@@ -35,6 +35,11 @@ CPU_STAND_IN = ["--model.n_layers=1", "--model.d_model=64", "--model.n_heads=2",
                 "--seq_len=64", "--micro_batch_size=2", "--global_batch_tokens=128",
                 "--total_steps=4", "--warmup_steps=1", "--decay_fraction=0.25",
                 "--stop_at_step=2", "--eval_tokens=128", "--sample_tokens=4"]
+# The public model's stand-in (tests/public_model.py) has 64 positions: a few short steps,
+# with the decay leg from step 3, where the stable run stops.
+PUBLIC_STAND_IN = ["--seq_len=64", "--micro_batch_size=2", "--global_batch_tokens=128",
+                   "--total_steps=4", "--warmup_steps=1", "--decay_start=3",
+                   "--eval_tokens=128", "--sample_tokens=4", "--downstream_items=4"]
 GPU = "needs CUDA GPUs"
 # The runs whose report nothing reads draw none (report.py runs for the tiny run's own and
 # the comparison's, whose figure reads the runs' metrics.jsonl).
@@ -137,6 +142,26 @@ HOW = {
     "--stop_at_step=38147 --anneal_data_dir=data/cosmo:1,data/finemath:1 "
     "--resume=out/smollm/ckpt/step_0034332 --out_dir=out/anneal-b": (
         "run", CPU_STAND_IN + ["--stop_at_step=4", "--resume=out/smollm/ckpt/step_0000002"]),
+    # docs/recipe.md, from a public model: a small random Llama stands in for the download,
+    # with data/mycorpus's tokenizer, so that the commands after it run as written.
+    "hf download HuggingFaceTB/SmolLM2-135M --local-dir models/SmolLM2-135M": (
+        "instead", "downloads; stand-in: python tests/public_model.py models/SmolLM2-135M "
+                   "data/mycorpus/tokenizer.json"),
+    'python prepare.py --source "data/raw/corpus/*.txt" --tokenizer '
+    "models/SmolLM2-135M/tokenizer.json --data_dir data/mine-smollm2": ("run", []),
+    "python prepare.py --source data/raw/more.txt --tokenizer "
+    "models/SmolLM2-135M/tokenizer.json --data_dir data/premium-smollm2": ("run", []),
+    "python train.py --init_from=models/SmolLM2-135M --data_dir=data/mine-smollm2 "
+    "--total_steps=4000 --stop_at_step=3600 --warmup_steps=200 --out_dir=out/smollm2-stable": (
+        "run", PUBLIC_STAND_IN + ["--stop_at_step=3"]),
+    "python train.py --init_from=models/SmolLM2-135M --data_dir=data/mine-smollm2 "
+    "--total_steps=4000 --stop_at_step=4000 --warmup_steps=200 --anneal_data_dir="
+    "data/premium-smollm2 --resume=out/smollm2-stable/ckpt/step_0003600 "
+    "--out_dir=out/smollm2-anneal": (
+        "run", PUBLIC_STAND_IN + ["--stop_at_step=4",
+                                  "--resume=out/smollm2-stable/ckpt/step_0000003"]),
+    "python report.py out/smollm2-stable out/smollm2-anneal --out out/smollm2-compare": (
+        "run", []),
 }
 
 

@@ -261,7 +261,7 @@ def test_a_stopped_or_failed_run_waits_for_its_final_report(tmp_path, monkeypatc
     with pytest.raises(RuntimeError) if ending == "error" else contextlib.nullcontext():
         with log.MetricsLogger(cfg, True, torch.device("cpu"), 1, {"causal": 1.0, "palm": 1.0},
                                start_step=0) as logger:
-            logger.log_checkpoint(3, seconds=0.1)
+            logger.log_checkpoints([(3, 0.1, 0.1)])
             if ending == "error":
                 raise RuntimeError("a fault at step 3")
     checkpoint, final = notes(calls)
@@ -278,8 +278,8 @@ def test_a_checkpoint_starts_no_second_report_while_one_draws(tmp_path, monkeypa
     cfg = micro_config("unused", str(tmp_path / "run"), write_report=True)
     with log.MetricsLogger(cfg, True, torch.device("cpu"), 1, {"causal": 1.0, "palm": 1.0},
                            start_step=0) as logger:
-        logger.log_checkpoint(2, seconds=0.1)
-        logger.log_checkpoint(3, seconds=0.1)
+        logger.log_checkpoints([(2, 0.1, 0.1)])
+        logger.log_checkpoints([(3, 0.1, 0.1)])
     assert [note["args"] for note in notes(calls)] == [["--quiet"], []]
 
 
@@ -295,7 +295,7 @@ def test_a_stop_waits_for_the_report_only_so_long(tmp_path, monkeypatch, capsys)
     t0 = time.perf_counter()
     with log.MetricsLogger(cfg, True, torch.device("cpu"), 1, {"causal": 1.0, "palm": 1.0},
                            start_step=0) as logger:
-        logger.log_checkpoint(3, seconds=0.1)  # starts the slow report; stopped at 3 of 8
+        logger.log_checkpoints([(3, 0.1, 0.1)])  # starts the slow report; stopped at 3 of 8
     took = time.perf_counter() - t0
     still_drawing = logger.report.process.poll() is None
     logger.report.process.kill()
@@ -328,7 +328,7 @@ def test_a_cut_last_line_is_left_out_with_one_warning(tmp_path):
     assert out.stdout.splitlines() == [
         f"report: {tmp_path / 'report.md'} and {tmp_path / 'report.png'}",
         "reference: final val loss 4.2000 is outside the reference seeds' spread "
-        "(4.2275–4.2640, 3 seeds): 0.0275 below it"]
+        "(4.2406–4.2787, 3 seeds): 0.0406 below it"]
 
 
 def test_a_step_logged_twice_counts_once_as_its_last_record(tmp_path):

@@ -8,6 +8,9 @@ import os
 import pickle
 import shutil
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +29,8 @@ from test_errors import run_cli
 from test_train import cli_args
 from plumbing import checkpoint, cli, overrides
 from plumbing import resume as resume_lib
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def records(cfg) -> list[dict]:
@@ -419,3 +424,114 @@ def test_out_dir_that_is_a_file_is_refused(small_data_dir, tmp_path):
     with pytest.raises(ValueError, match="is a file"):
         train.main(micro_config(small_data_dir, str(tmp_path / "file")))
     assert os.path.getsize(tmp_path / "file") == 0
+
+
+# --- checkpoints written in the background (ckpt_async) --------------------------------
+
+@pytest.fixture(scope="module")
+def async_and_blocking(small_data_dir, tmp_path_factory) -> tuple:
+    """The same 8-step run checkpointing every 2 steps: blocking, and in the background
+    (steps 2, 4 and 6; the last step's save blocks)."""
+    root = tmp_path_factory.mktemp("async")
+    blocking = micro_config(small_data_dir, str(root / "blocking"), ckpt_every=2)
+    background = dataclasses.replace(blocking, out_dir=str(root / "async"), ckpt_async=True)
+    train.main(blocking)
+    train.main(background)
+    return blocking, background
+
+
+def test_async_checkpoints_are_the_blocking_ones_bitwise(async_and_blocking):
+    """Losses and every checkpoint's tensors (weights and both optimizers' state, read by
+    DCP's own consolidation) are the blocking run's bit for bit; each background checkpoint
+    is logged once complete, in order, and no scratch folder is left."""
+    from test_checkpoint import every_tensor
+    blocking, background = async_and_blocking
+    train_losses = [[r["loss"] for r in records(c) if r["kind"] == "train"]
+                    for c in (blocking, background)]
+    assert train_losses[0] == train_losses[1]
+    for step in (2, 4, 6, 8):
+        ours, theirs = every_tensor(ckpt(background, step)), every_tensor(ckpt(blocking, step))
+        assert ours.keys() == theirs.keys() and len(ours) > 20
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), step
+    logged = [r for r in records(background) if r["kind"] == "checkpoint"]
+    assert [r["step"] for r in logged] == [2, 4, 6, 8]
+    assert all(r["write_seconds"] >= r["seconds"] for r in logged)
+    assert not list(Path(background.out_dir, "ckpt").glob("*.tmp"))
+
+
+def test_a_run_resumed_from_an_async_checkpoint_continues_bitwise(async_and_blocking,
+                                                                 tmp_path):
+    """A background checkpoint (step 4) continued in a new folder logs the blocking run's
+    losses from step 5 on, bit for bit."""
+    blocking, background = async_and_blocking
+    branch = dataclasses.replace(background, out_dir=str(tmp_path / "branch"),
+                                 resume=str(ckpt(background, 4)))
+    train.main(branch)
+    ours = {r["step"]: r["loss"] for r in records(branch) if r["kind"] == "train"}
+    theirs = {r["step"]: r["loss"] for r in records(blocking) if r["kind"] == "train"}
+    assert sorted(ours) == [5, 6, 7, 8] and ours == {s: theirs[s] for s in ours}
+
+
+def test_a_sigterm_with_a_save_in_flight_completes_it_then_saves_its_step(
+        small_data_dir, tmp_path, monkeypatch):
+    """SIGTERM while step 4's checkpoint is still being written (slowly, here): the run
+    finishes that save, saves the step it stops at (5), and ends "stopped" with both
+    complete and nothing left half-written."""
+    from test_checkpoint import slow_writes
+    cfg = micro_config(small_data_dir, str(tmp_path / "run"), ckpt_every=4, ckpt_async=True)
+    save, in_flight = checkpoint.Saver.save, []
+
+    def signalled(self, *args, **kwargs):
+        done = save(self, *args, **kwargs)
+        if self.in_flight is not None:  # the background save has begun
+            in_flight.append(self.in_flight.step)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return done
+    monkeypatch.setattr(checkpoint.Saver, "save", signalled)
+    slow_writes(monkeypatch, 0.5)
+    train.main(cfg)
+    assert in_flight == [4]
+    assert [p.name for p in checkpoint.complete_checkpoints(cfg.out_dir)] == \
+        ["step_0000004", "step_0000005"]
+    assert not list(Path(cfg.out_dir, "ckpt").glob("*.tmp"))
+    assert [r["outcome"] for r in records(cfg) if r["kind"] == "end"] == ["stopped"]
+    assert [r["step"] for r in records(cfg) if r["kind"] == "checkpoint"] == [4, 5]
+
+
+# Runs train.py's command with DCP's writer slowed (a save stays in flight for a while).
+SLOW_WRITER = """
+import sys, time
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+write = FileSystemWriter.write_data
+def slow(self, plan, planner):
+    time.sleep(2.0)
+    return write(self, plan, planner)
+FileSystemWriter.write_data = slow
+sys.argv = ["train.py", *sys.argv[1:]]
+import train
+train.cli()
+"""
+
+
+def test_a_kill_during_a_background_save_resumes_bitwise_from_the_one_before(
+        async_and_blocking, tmp_path):
+    """kill -9 while step 4's checkpoint is written in the background: step 2's stays the
+    newest (the half-written folder is never resumed from), and the same command again
+    finishes with the blocking run's final weights and optimizer state, bit for bit."""
+    from test_checkpoint import every_tensor
+    blocking, background = async_and_blocking
+    cfg = dataclasses.replace(background, out_dir=str(tmp_path / "killed"))
+    args = cli_args(cfg)
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_WRITER, *args], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    scratch = ckpt(cfg, 4).with_name("step_0000004.tmp")
+    deadline = time.time() + 120
+    while not (scratch / "train_state.json").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert [p.name for p in checkpoint.complete_checkpoints(cfg.out_dir)] == ["step_0000002"]
+    train.main(cfg)  # the same command: resumes from step 2
+    ours, theirs = every_tensor(ckpt(cfg, 8)), every_tensor(ckpt(blocking, 8))
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)

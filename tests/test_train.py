@@ -610,7 +610,7 @@ def test_tflops_and_mfu_match_counted_flops_over_the_measured_step_time(
             model(**next(loader), reduction="sum").loss.backward()
     palm = counter.get_total_flops() - 2 * m.vocab_size * m.d_model * tokens
     gains = sum(p.numel() for p in model.parameters() if p.ndim == 1)
-    causal = palm - 6 * m.n_layers * cfg.seq_len * m.n_heads * m.head_dim * tokens \
+    causal = palm - 6 * m.n_layers * cfg.seq_len * m.n_heads * m.head_size * tokens \
         + 6 * gains * tokens
     records = train_records(cfg)
     assert [r["step"] for r in records] == [1, 2, 3]  # log_every=1: one step per row

@@ -1,0 +1,220 @@
+"""Start from a public model: a transformers folder (config.json, safetensors weights and,
+for its data, tokenizer.json) as a run's starting weights, `--init_from=DIR` (torchtitan's
+checkpoint.initial_load_path with initial_load_in_hf).
+
+The families whose blocks are stacklm's blocks, and what each sets in StackConfig:
+
+    LlamaForCausalLM     SmolLM, SmolLM2      no QK-norm, RoPE on every layer
+    Qwen3ForCausalLM     Qwen3                QK-norm, RoPE on every layer
+    SmolLM3ForCausalLM   SmolLM3              no QK-norm, NoPE layers (no_rope_layers)
+    StackLMForCausalLM   stacklm's export     QK-norm and NoPE layers
+
+`model_shape` maps config.json onto StackConfig's fields, and refuses in one line, naming the
+field and its value, what StackConfig cannot express: untied embeddings, RoPE scaling,
+biases, sliding windows, another activation, NoPE layers that are not every N-th.
+`read_weights` reads the weights with the safetensors library (nothing is unpickled; a
+folder of pickles is refused with the command that converts it) as fp32 master weights,
+whatever dtype the download holds; resume.py puts them into a fresh run's model (sharded
+or not). Every one of the model's tensors must be found once, with its shape: a missing
+one is an error, never left at its initial value. transformers rotates the
+two halves of each head (`rotate_half`), as model.apply_rope does, so the weights need no
+q/k permutation; nor are there RoPE buffers to load: model.py computes the rotation from
+the positions. tests/test_hf_import.py checks the logits against transformers' own.
+
+Imports from stacklm: model (the names and shapes of a model's weights) and shards (a
+prepared folder's manifest).
+"""
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from model import Transformer
+from plumbing import shards
+
+# Architecture -> (qk_norm, has no_rope_layers, transformers' default rope_theta).
+FAMILIES = {"LlamaForCausalLM": (False, False, 10_000.0),
+            "Qwen3ForCausalLM": (True, False, 10_000.0),
+            "SmolLM3ForCausalLM": (False, True, 2_000_000.0),
+            "StackLMForCausalLM": (True, True, 10_000.0)}
+
+# transformers' module names -> stacklm's, in a block (model.layers.N.<name>: blocks.N.<name>)
+BLOCK_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm",
+               "self_attn": "attn", "mlp": "mlp"}
+
+
+def read_config(folder) -> dict:
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"init_from={folder}: no config.json there; point it at a "
+                                f"transformers folder (config.json and *.safetensors)") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a transformers config (a JSON object)")
+    return config
+
+
+def model_shape(folder) -> dict:
+    """StackConfig's fields for the model in `folder`, from its config.json."""
+    config, path = read_config(folder), Path(folder) / "config.json"
+    architecture = (config.get("architectures") or [None])[0]
+    if architecture not in FAMILIES:
+        raise ValueError(f"{path}: architectures {config.get('architectures')} is not one whose "
+                         f"blocks stacklm's are ({', '.join(FAMILIES)})")
+    qk_norm, nope_layers, default_theta = FAMILIES[architecture]
+    refuse_what_stacklm_cannot_express(config, path)
+    width, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or width // heads
+    rope = config.get("rope_parameters") or {}
+    shape = {"vocab_size": config["vocab_size"], "d_model": width,
+             "n_layers": config["num_hidden_layers"], "n_heads": heads,
+             "n_kv_heads": config.get("num_key_value_heads") or heads,
+             "intermediate": config["intermediate_size"],
+             "max_seq_len": config["max_position_embeddings"],
+             "rope_theta": float(rope.get("rope_theta", config.get("rope_theta", default_theta))),
+             "qk_norm": qk_norm, "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+             "head_dim": None if head_dim * heads == width else head_dim,
+             "nope_every": nope_every(config, path) if nope_layers else 0}
+    return shape
+
+
+def refuse_what_stacklm_cannot_express(config: dict, path: Path):
+    """One line naming the first field whose value StackConfig has no knob for."""
+    rope = config.get("rope_parameters") or {}
+    layer_types = set(config.get("layer_types") or ["full_attention"])
+    problems = [
+        ("tie_word_embeddings", config.get("tie_word_embeddings", True) is not True,
+         "StackConfig ties the head to the embedding"),
+        ("rope_scaling", config.get("rope_scaling") not in (None, {}),
+         "model.py's RoPE has no scaling"),
+        ("rope_parameters.rope_type", rope.get("rope_type", "default") != "default",
+         "model.py's RoPE has no scaling"),
+        ("attention_bias", bool(config.get("attention_bias")), "stacklm's projections have no "
+                                                                "bias"),
+        ("mlp_bias", bool(config.get("mlp_bias")), "stacklm's projections have no bias"),
+        ("use_sliding_window", bool(config.get("use_sliding_window")),
+         "stacklm's attention sees the whole document"),
+        ("layer_types", layer_types != {"full_attention"},
+         "stacklm's attention sees the whole document"),
+        ("hidden_act", config.get("hidden_act", "silu") != "silu", "stacklm's MLP is SwiGLU"),
+    ]
+    for field, refused, why in problems:
+        if refused:
+            value = config.get(field) if "." not in field else rope.get("rope_type")
+            raise ValueError(f"{path}: {field}={json.dumps(value)}: {why}, so this model cannot "
+                             f"be continued here")
+
+
+def nope_every(config: dict, path: Path) -> int:
+    """SmolLM3's no_rope_layers (1: the layer rotates) as stacklm's rule, every N-th layer
+    without RoPE ((layer + 1) % N == 0); 0 where every layer rotates."""
+    rotates = config.get("no_rope_layers") or [1] * config["num_hidden_layers"]
+    for every in [0, *range(1, len(rotates) + 1)]:
+        if rotates == [int(not every or (i + 1) % every != 0) for i in range(len(rotates))]:
+            return every
+    raise ValueError(f"{path}: no_rope_layers={rotates} is not every N-th layer without RoPE, "
+                     f"the only pattern model.nope_every expresses")
+
+
+def check_shape(cfg):
+    """The run's model is the shape of cfg.init_from's config.json (a config made in code,
+    not through the command line, may not be)."""
+    for name, value in model_shape(cfg.init_from).items():
+        if getattr(cfg.model, name) != value:
+            raise ValueError(f"model.{name}={getattr(cfg.model, name)} disagrees with "
+                             f"{cfg.init_from}/config.json ({name} {value}); give no model "
+                             f"knob with --init_from: its config.json sets the shape")
+
+
+def check_tokenizer(cfg, source: str):
+    """The data was prepared with the model's own tokenizer (the same file, by sha256)."""
+    tokenizer = Path(cfg.init_from) / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise FileNotFoundError(f"init_from={cfg.init_from} holds no tokenizer.json, so nothing "
+                                f"says its data is tokenized as the model was; add the model's "
+                                f"tokenizer.json there")
+    ours = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+    if shards.load_manifest(source)["tokenizer"]["sha256"] != ours:
+        raise ValueError(f"{source} was prepared with another tokenizer than {tokenizer}, so its "
+                         f"token ids mean other words to this model; prepare it with the "
+                         f"model's: python prepare.py --source CORPUS --tokenizer {tokenizer} "
+                         f"--data_dir DIR")
+
+
+def weight_files(folder) -> list[Path]:
+    """The safetensors files of a transformers folder: one file, or the shards its index
+    names. A folder of PyTorch pickles is refused: loading one runs whatever it holds."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / name for name in names]
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    if list(folder.glob("*.bin")) or list(folder.glob("*.pt")):
+        raise ValueError(f"{folder} holds PyTorch pickles (*.bin), which stacklm does not load: "
+                         f"unpickling one runs whatever it holds; convert it once with "
+                         f"transformers: python -c \"from transformers import "
+                         f"AutoModelForCausalLM as M; M.from_pretrained('{folder}')"
+                         f".save_pretrained('{folder}-safetensors')\"")
+    raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+def stacklm_name(name: str) -> str | None:
+    """transformers' name of a weight -> stacklm's, or None for one the tied model does not
+    hold (lm_head.weight: the embedding; a rotary inv_freq buffer: computed, not stored)."""
+    if name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq"):
+        return None
+    if name == "model.embed_tokens.weight":
+        return "embed.weight"
+    if name == "model.norm.weight":
+        return "norm.weight"
+    parts = name.split(".")  # model.layers.N.<module>.<...>
+    if parts[:2] != ["model", "layers"] or len(parts) < 5 or parts[3] not in BLOCK_NAMES:
+        return name  # unknown: load() names it
+    return ".".join(["blocks", parts[2], BLOCK_NAMES[parts[3]], *parts[4:]])
+
+
+def hf_name(name: str) -> str:
+    """stacklm's name of a weight -> transformers' (the inverse of stacklm_name)."""
+    if name == "embed.weight":
+        return "model.embed_tokens.weight"
+    if name == "norm.weight":
+        return "model.norm.weight"
+    parts = name.split(".")  # blocks.N.<module>.<...>
+    module = next(hf for hf, ours in BLOCK_NAMES.items() if ours == parts[2])
+    return ".".join(["model", "layers", parts[1], module, *parts[3:]])
+
+
+def read_weights(folder, model_cfg) -> dict[str, torch.Tensor]:
+    """The weights of `folder` by stacklm's names, as fp32 tensors (the model's master weights,
+    whatever dtype the download holds), each of a model of `model_cfg` found once, with its
+    shape: a missing one is an error, never left at its initial value."""
+    with torch.device("meta"):  # the names and shapes alone
+        wanted = {name: p.shape for name, p in Transformer(model_cfg).named_parameters()}
+    weights = {}
+    for path in weight_files(folder):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                ours = stacklm_name(name)
+                if ours is None:
+                    continue
+                if ours not in wanted:
+                    raise ValueError(f"{path}: weight {name} has no place in a stacklm model of "
+                                     f"this config.json's shape")
+                tensor = f.get_tensor(name)
+                if tensor.shape != wanted[ours]:
+                    raise ValueError(f"{path}: weight {name} is {tuple(tensor.shape)}, where "
+                                     f"config.json's shape needs {tuple(wanted[ours])}")
+                weights[ours] = tensor.float()
+    missing = [hf_name(name) for name in wanted if name not in weights]
+    if missing:
+        raise ValueError(f"{folder}: no weight {missing[0]} ({len(missing)} missing in all); "
+                         f"is its config.json the one of these weights?")
+    return weights
