@@ -133,8 +133,9 @@ class Muon(torch.optim.Optimizer):
                                      f"give embeddings and 1-D gains to AdamW")
         self.ns_dtype = ns_dtype
         # (group index, positions in group["params"]) per shape (Stack-100M's 210 matrices
-        # have 4). Positions, not tensors: accelerate.prepare swaps the optimizer's
-        # parameters for its own (DDP's), and load_state_dict replaces the group dicts.
+        # have 4). Positions, not tensors: accelerate.prepare puts in the wrapped model's
+        # parameters where its wrapping replaced them, and load_state_dict replaces the
+        # group dicts.
         self.shape_buckets = [
             (g, [i for i, p in enumerate(group["params"]) if p.shape == shape])
             for g, group in enumerate(self.param_groups)
@@ -170,20 +171,14 @@ class Muon(torch.optim.Optimizer):
 
     def _orthogonalize_bucket(self, updates, group) -> list[torch.Tensor]:
         """Newton–Schulz of same-shape updates as one batched run: a few large kernels in
-        place of many small ones, faster on GPUs and CPUs alike (docs/figures.md). The stack
-        is made in the iteration's dtype, one copy where a float32 stack and its cast made
-        two, and the results stay in it: the step adds them to the weights as they are."""
+        place of many small ones, faster on GPUs and CPUs alike (docs/figures.md)."""
         if not updates:
             return []
-        dtype = self._ns_dtype(updates[0])
-        stack = torch.stack([update.to(dtype) for update in updates])  # (n, A, B)
-        return list(newton_schulz(stack, group["ns_steps"], dtype))
+        return list(self._orthogonalize(torch.stack(updates), group))
 
     def _orthogonalize(self, update, group) -> torch.Tensor:
-        return newton_schulz(update, group["ns_steps"], self._ns_dtype(update))
-
-    def _ns_dtype(self, update) -> torch.dtype:
-        return self.ns_dtype or (torch.bfloat16 if update.is_cuda else torch.float32)
+        dtype = self.ns_dtype or (torch.bfloat16 if update.is_cuda else torch.float32)
+        return newton_schulz(update, group["ns_steps"], dtype)
 
     @staticmethod
     def _decay_and_step(p, group, update):

@@ -4,6 +4,7 @@ and what each of stacklm's speed levers buys.
     python bench/cpu_speed.py                                # 30 timed steps, 2 rounds
     python bench/cpu_speed.py --steps 2 --warmup 1 --rounds 1 --no-compile   # a smoke run
     python bench/cpu_speed.py --profile                      # and where each step's time goes
+    python bench/cpu_speed.py --no-compile --precision fp32  # the levers where auto is fp32
 
 Every variant trains from the same seed on the same batches (16 × 256 windows of the built-in
 corpus, data/stdlib-4k) in this one process, in interleaved rounds, so drift on shared
@@ -19,7 +20,8 @@ cores hits each alike:
   positions, the head tied to the embedding) and its train.py step: F.cross_entropy on the
   logits, backward, clip at 1.0, AdamW (foreach, betas 0.9/0.95, wd 0.1), in fp32 and bf16
   autocast, eager and torch.compile'd whole; "nanogpt_best" is its fastest.
-- the levers: stacklm's eager step at the precision auto picks here, with one lever undone
+- the levers: stacklm's eager step at the precision auto picks here (or --precision's:
+  fp32 stands for a CPU without bf16 arithmetic), with one lever undone
   (the code it replaced, kept below as the plain expression it computes): "without_X".
   Each lever's "gain" is the full step's speed over that. "with_X" tries an alternative
   that was not taken, the same way.
@@ -195,12 +197,6 @@ def one_by_one(self, updates, group):
     return [self._orthogonalize(update, group) for update in updates]
 
 
-def stack_then_cast(self, updates, group):
-    """Before ns_one_copy: a float32 stack of the updates, cast again for Newton–Schulz, and
-    the results cast back to float32."""
-    return list(self._orthogonalize(torch.stack(updates), group)) if updates else []
-
-
 def torch_rms_norm(x, weight, eps):
     """An alternative not taken: torch's own F.rms_norm (on a CPU its eager kernel is made of
     the same ops)."""
@@ -213,8 +209,6 @@ LEVERS = {  # name: what undoes it
     "rms_norm_backward": lambda: mock.patch.object(model, "rms_norm", plain_rms_norm),
     "ns_matmul_add": lambda: mock.patch.object(optim, "newton_schulz", separate_multiplies),
     "ns_stacked": lambda: mock.patch.object(optim.Muon, "_orthogonalize_bucket", one_by_one),
-    "ns_one_copy": lambda: mock.patch.object(optim.Muon, "_orthogonalize_bucket",
-                                             stack_then_cast),
 }
 ALTERNATIVES = {"torch_rms_norm": lambda: mock.patch.object(model, "rms_norm", torch_rms_norm)}
 
@@ -268,13 +262,18 @@ def main():
     parser.add_argument("--no-levers", action="store_true", help="no lever variants")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one step of each of the eight base variants")
+    parser.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                        help="the precision of the lever variants and the goal (auto: bf16 "
+                             "where this CPU computes it, as the run's auto; fp32 stands for "
+                             "a CPU without bf16 arithmetic)")
     args = parser.parse_args()
     cfg = config.tiny()
     prepare.ensure_builtin([cfg.data_dir], cfg.model.vocab_size)
     loader = data.PackedShardLoader(cfg.data_dir, "train", cfg.seq_len, cfg.micro_batch_size,
                                     seed=cfg.seed)
     batches = [next(loader) for _ in range(max(args.warmup + args.steps, 3))]  # (16, 256)
-    precision = "bf16" if launch.cpu_computes_bf16() else "fp32"  # auto's choice here
+    auto = "bf16" if launch.cpu_computes_bf16() else "fp32"  # auto's choice here
+    precision = auto if args.precision == "auto" else args.precision
     chosen = variants(args, precision)
     seconds, first_loss = {name: [] for name in chosen}, {}
     for _ in range(args.rounds):

@@ -1,8 +1,8 @@
 """How far each of bench/cpu_speed.py's levers moves what `tiny` computes: the train loss
 at step 40, over three seeds, with every lever and with each one undone (the code it
-replaced), beside the reference seeds' (reference/tiny, the code before the levers).
+replaced), beside the reference seeds' (reference/tiny: with every lever since 8454423).
 
-    python bench/lever_losses.py          # 6 runs × 3 seeds of 40 steps: ~10 minutes on 2 cores
+    python bench/lever_losses.py          # 6 runs × 3 seeds of 40 steps: ~15 minutes on 2 cores
 
 Each run is `tiny` itself (its batches, schedule and precision: auto's, bf16 where the CPU
 computes it), stopped at step 40, without the in-loop task (the loss does not depend on

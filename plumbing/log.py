@@ -263,6 +263,7 @@ def banner(cfg, facts: RunFacts, model, optimizers, schedule: str,
                    if row["source"] not in facts.eval_sources]
     lines = [
         f"model: {n_params / 1e6:.2f}M parameters ({optimizers.summary()})",
+        *([f"model shape: {init_from_shape(cfg)}"] if cfg.init_from else []),
         f"FLOP/token: {flops['causal']:.3e} causal, {flops['palm']:.3e} palm "
         f"(seq {cfg.seq_len:,})",
         f"batch: {cfg.batch_summary(hardware.world)}",
@@ -289,6 +290,16 @@ def banner(cfg, facts: RunFacts, model, optimizers, schedule: str,
         "alone; val_bpb is bits per byte of the target text",
     ]
     return "\n".join(lines)
+
+
+def init_from_shape(cfg) -> str:
+    """The shape --init_from's config.json set, as the banner prints it."""
+    m = cfg.model
+    rope = f"no RoPE every {m.nope_every} layers" if m.nope_every else "RoPE on every layer"
+    return (f"{cfg.init_from}/config.json's: d_model {m.d_model}, {m.n_layers} layers, "
+            f"{m.n_heads} heads of {m.head_size} ({m.n_kv_heads} KV), MLP {m.intermediate}, "
+            f"vocab {m.vocab_size:,}, {'QK-norm' if m.qk_norm else 'no QK-norm'}, {rope} "
+            f"(theta {m.rope_theta:g}), norm eps {m.norm_eps:g}")
 
 
 # An evaluation whose forward passes cost more than half the training compute between

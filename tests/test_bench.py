@@ -291,12 +291,6 @@ def test_each_levers_undoing_computes_what_the_lever_computes():
     logits, targets = torch.randn(20, 11), torch.randint(0, 11, (20,))
     torch.testing.assert_close(cpu_speed.plain_loss(logits, targets, 1e-2, "sum"),
                                model.logits_ce_z_loss(logits, targets, 1e-2, reduction="sum"))
-    muon = optim.Muon([torch.nn.Parameter(torch.zeros(24, 40))], lr=1.0,
-                      ns_dtype=torch.bfloat16)
-    updates, group = list(torch.randn(3, 24, 40)), muon.param_groups[0]
-    for got, want in zip(muon._orthogonalize_bucket(updates, group),
-                         cpu_speed.stack_then_cast(muon, updates, group), strict=True):
-        assert torch.equal(got.float(), want)  # the same bf16 numbers, one copy fewer
 
 
 # One bad value for each benchmark, and cpu_speed's that ended in a traceback or, with

@@ -133,7 +133,10 @@ def test_a_run_from_a_public_model_starts_from_it_and_exports_back_as_its_class(
     mine = dict(run.accelerator.unwrap_model(run.model).state_dict())
     want = hf_import.read_weights(tmp_path / "public", cfg.model)
     assert all(torch.equal(mine[name], want[name]) for name in want)
-    assert "init: " in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "init: " in printed
+    assert f"model shape: {tmp_path / 'public'}/config.json's: d_model 64, 4 layers, 4 heads " \
+           f"of 16 (2 KV), MLP 176, vocab 512" in printed
     train.main(cfg)
     train.main(dataclasses.replace(cfg, stop_at_step=8))  # the same command, further
     assert f"(its own; --init_from={tmp_path / 'public'} is where this run began" in \
