@@ -13,6 +13,7 @@ checkpoint a run continues is resume.py's.
 A checkpoint is written into `step_XXXXXXX.tmp` and renamed when every rank is done, so a
 crash mid-write leaves the previous checkpoint as the newest complete one; only complete
 folders (a bare `step_` + digits name holding train_state.json) are ever resumed from.
+`Saver` writes them, blocking the loop or (ckpt_async) in the background.
 Nothing here runs code from a checkpoint. What is read, and how: DCP's `.metadata` (a
 pickle) through an allowlist of the classes DCP metadata holds (MetadataUnpickler); the
 tensor files (`*.distcp`) as DCP reads them, with torch.load(weights_only=True); the
