@@ -27,7 +27,9 @@ import gpu_sweep  # noqa: E402
 
 def test_gpu_sweep_dry_run_reports_every_variant():
     """`--dry-run` runs every variant through the same code as on the GPU and ends with one
-    JSON line: each variant has finite, positive figures, or says why it has none."""
+    JSON line: each variant has finite, positive figures. On a GPU a variant may say why it
+    has none (out of memory, say); on this CPU dry run an error is a bug (one such hid a
+    changed train.Run for a while)."""
     result = subprocess.run([sys.executable, "bench/gpu_sweep.py", "--dry-run"], cwd=REPO,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -38,9 +40,7 @@ def test_gpu_sweep_dry_run_reports_every_variant():
             "ns_fp32", "whole_compile", "rms_norm_autograd", "ns_separate",
             "recompute_selective", "recompute_full"} <= set(rows)
     for name, row in rows.items():
-        if row["error"] is not None:
-            assert isinstance(row["error"], str) and row["error"], name
-            continue
+        assert row["error"] is None, (name, row["error"])
         for key in ("tokens_per_s", "peak_gib", "loss"):
             assert math.isfinite(row[key]) and row[key] > 0, (name, key, row[key])
         for key in ("mfu", "mfu_palm"):  # no known peak FLOP/s for a CPU: null, not made up
