@@ -250,9 +250,8 @@ def hf_config(cfg: StackConfig, eos_id: int, revision: str) -> dict:
         "bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id,
         "torch_dtype": "float32", "stacklm_revision": revision,
     }
-    if cfg.nope_every:  # 1 = this layer rotates, stacklm's uses_rope rule
-        config["no_rope_layers"] = [int(not cfg.nope_every or (i + 1) % cfg.nope_every != 0)
-                                    for i in range(cfg.n_layers)]
+    if cfg.nope_every:
+        config["no_rope_layers"] = hf_import.no_rope_layers(cfg.n_layers, cfg.nope_every)
     if needs_remote_code(cfg):
         config["auto_map"] = {"AutoConfig": "modeling_stacklm.StackLMConfig",
                               "AutoModelForCausalLM": "modeling_stacklm.StackLMForCausalLM"}

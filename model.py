@@ -292,8 +292,9 @@ def selective_recompute():
 
     def policy(ctx, op, *args, **kwargs):
         if op == aten.mm.default:
-            matmuls["recompute" if ctx.is_recompute else "forward"] += 1
-            keep = matmuls["recompute" if ctx.is_recompute else "forward"] % 2 == 1
+            count = "recompute" if ctx.is_recompute else "forward"
+            matmuls[count] += 1
+            keep = matmuls[count] % 2 == 1
         else:
             keep = op in ATTENTION_OPS
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE

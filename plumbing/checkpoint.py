@@ -370,14 +370,6 @@ class Saver:
         self.accelerator.wait_for_everyone()
 
 
-def save(accelerator, model, optimizers: list, train_state: dict, out_dir,
-         keep_last: int, keep_steps=()) -> Path:
-    """A blocking save (Saver.save) of train_state["step"]'s checkpoint; its path."""
-    Saver(accelerator, in_background=False).save(model, optimizers, train_state, out_dir,
-                                                  keep_last, keep_steps)
-    return step_path(out_dir, train_state["step"])
-
-
 def read_train_state(path: Path) -> dict:
     """The checkpoint's train_state.json in today's layout; DamagedCheckpointError if it
     cannot be read, or is not a train state (a JSON object holding the step)."""

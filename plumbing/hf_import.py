@@ -72,16 +72,15 @@ def model_shape(folder) -> dict:
     width, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or width // heads
     rope = config.get("rope_parameters") or {}
-    shape = {"vocab_size": config["vocab_size"], "d_model": width,
-             "n_layers": config["num_hidden_layers"], "n_heads": heads,
-             "n_kv_heads": config.get("num_key_value_heads") or heads,
-             "intermediate": config["intermediate_size"],
-             "max_seq_len": config["max_position_embeddings"],
-             "rope_theta": float(rope.get("rope_theta", config.get("rope_theta", default_theta))),
-             "qk_norm": qk_norm, "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
-             "head_dim": None if head_dim * heads == width else head_dim,
-             "nope_every": nope_every(config, path) if nope_layers else 0}
-    return shape
+    return {"vocab_size": config["vocab_size"], "d_model": width,
+            "n_layers": config["num_hidden_layers"], "n_heads": heads,
+            "n_kv_heads": config.get("num_key_value_heads") or heads,
+            "intermediate": config["intermediate_size"],
+            "max_seq_len": config["max_position_embeddings"],
+            "rope_theta": float(rope.get("rope_theta", config.get("rope_theta", default_theta))),
+            "qk_norm": qk_norm, "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+            "head_dim": None if head_dim * heads == width else head_dim,
+            "nope_every": nope_every(config, path) if nope_layers else 0}
 
 
 def refuse_what_stacklm_cannot_express(config: dict, path: Path):
@@ -116,10 +115,15 @@ def nope_every(config: dict, path: Path) -> int:
     without RoPE ((layer + 1) % N == 0); 0 where every layer rotates."""
     rotates = config.get("no_rope_layers") or [1] * config["num_hidden_layers"]
     for every in [0, *range(1, len(rotates) + 1)]:
-        if rotates == [int(not every or (i + 1) % every != 0) for i in range(len(rotates))]:
+        if rotates == no_rope_layers(len(rotates), every):
             return every
     raise ValueError(f"{path}: no_rope_layers={rotates} is not every N-th layer without RoPE, "
                      f"the only pattern model.nope_every expresses")
+
+
+def no_rope_layers(n_layers: int, nope_every: int) -> list[int]:
+    """stacklm's rule (model.uses_rope) as SmolLM3's no_rope_layers: 1 where a layer rotates."""
+    return [int(not nope_every or (i + 1) % nope_every != 0) for i in range(n_layers)]
 
 
 def check_shape(cfg):

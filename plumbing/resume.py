@@ -4,9 +4,10 @@
 branched run begins); `check_unfinished` stops a run that would train nothing; `resume`
 continues the first one that reads, setting damaged ones aside, and `restore` reads it into
 a run. A fresh run with --init_from begins from a public model's weights instead
-(`start_from_public_model`), until it has checkpoints of its own. What a resume may change is decided here too (`check_resume`): the model's shape,
-the data order and the matrix optimizer are fixed, a data stage that has begun cannot
-change, and every other knob given on the command line wins, said aloud.
+(`start_from_public_model`), until it has checkpoints of its own. What a resume may change
+is decided here too (`check_resume`): the model's shape, the data order and the matrix
+optimizer are fixed, a data stage that has begun cannot change, and every other knob given
+on the command line wins, said aloud.
 
 Imports from stacklm: checkpoint (a checkpoint's files), cli (NothingToDo, for a run that
 would train nothing), config (the differences between two configs) and hf_import (a public

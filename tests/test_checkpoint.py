@@ -32,7 +32,9 @@ def small_run():
 
 def save(model, optimizers, out_dir, step, keep_last=5):
     state = {"step": step, "tokens_seen": 0}
-    return checkpoint.save(Accelerator(cpu=True), model, optimizers, state, out_dir, keep_last)
+    checkpoint.Saver(Accelerator(cpu=True), in_background=False).save(
+        model, optimizers, state, out_dir, keep_last)
+    return checkpoint.step_path(out_dir, step)
 
 
 def test_save_load_round_trip_restores_weights_and_optimizer_state(tmp_path):
