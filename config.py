@@ -26,6 +26,7 @@ def knob(default, description: str, section: str | None = None):
 # The knobs that take one of a few words; `TrainConfig.check` refuses any other, and
 # `--help` lists them.
 CHOICES = {"decay_shape": ("linear", "sqrt", "cosine"),
+           "device": ("auto", "cuda", "mps", "cpu"),
            "compile_model": ("auto", "true", "false"),
            "mixed_precision": ("auto", "bf16", "no"),
            "loss_head_dtype": ("fp32", "bf16"),
@@ -162,6 +163,8 @@ class TrainConfig:
     seed: int = knob(1337, "seeds the initial weights, the data order and the sample",
                      section="hardware and numerics: auto picks what this machine computes "
                              "fastest, and the banner says why")
+    device: str = knob("auto", "where the run trains (auto: a CUDA GPU, else an Apple GPU "
+                               "(mps), else the CPU)")
     compile_model: str = knob("auto", "torch.compile each block (auto: on CUDA, and on a CPU "
                                       "for runs of 500+ steps, where it pays back)")
     mixed_precision: str = knob("auto", "autocast (auto: bf16 on a GPU or CPU that computes "
@@ -196,9 +199,9 @@ class TrainConfig:
     init_from: str | None = knob(None, "a transformers folder (Llama, Qwen3, SmolLM3, stacklm's "
                                        "export): its config.json sets the model's shape, its "
                                        "weights a fresh run's start (a checkpoint wins)")
-    max_epochs: float | None = knob(None, "refuse a run that would read the train split more "
-                                           "than this many times (past 4, a plan is warned "
-                                           "about either way)")
+    max_epochs: float | None = knob(16.0, "refuse a run that would read a train split more than "
+                                         "this many times (none: any; past 4, a plan is warned "
+                                         "about either way)")
     sample_prompt: str = knob("def ", "text the end-of-run sample continues")
     sample_tokens: int = knob(64, "tokens generated for that sample")
     write_report: bool = knob(True, "out_dir/report.md and report.png at every checkpoint and "
@@ -463,8 +466,9 @@ def parse_downstream(spec: str) -> list[tuple[str, str | None]]:
 
 
 # Repeating data up to about 4 epochs trains almost as well as fresh data; beyond that the
-# returns fall off fast (Muennighoff et al., "Scaling Data-Constrained Language Models",
-# arXiv 2305.16264). A plan past it is warned about, and refused under --max_epochs.
+# returns fall off fast, each further repetition worth less by a factor e every ~15
+# (Muennighoff et al., "Scaling Data-Constrained Language Models", arXiv 2305.16264). A plan
+# past 4 is warned about; one past max_epochs (16 by default) is refused.
 EPOCHS_WARNED = 4
 
 
@@ -492,7 +496,7 @@ def data_plan(cfg: TrainConfig, stages: list, tokens_per_epoch: dict[str, int]) 
 
 def check_epochs(cfg: TrainConfig, plan: list[dict]) -> list[str]:
     """A warning line for each source this run reads more than EPOCHS_WARNED times, over
-    all its stages; a ValueError naming the first source past an explicit max_epochs."""
+    all its stages; a ValueError naming the first source past max_epochs (none: no bound)."""
     planned, available = {}, {}
     for row in plan:
         planned[row["source"]] = planned.get(row["source"], 0) + row["planned"]
@@ -503,14 +507,14 @@ def check_epochs(cfg: TrainConfig, plan: list[dict]) -> list[str]:
         if cfg.max_epochs is not None and epochs > cfg.max_epochs:
             raise ValueError(f"this run would read {source} {epochs:,.1f} times ({tokens:,} "
                              f"tokens planned over {available[source]:,} tokens/epoch), more "
-                             f"than max_epochs={cfg.max_epochs:g}; prepare a larger corpus or a "
-                             f"mixture of corpora (docs/data.md), or lower --stop_at_step or "
-                             f"the source's weight")
+                             f"than max_epochs={cfg.max_epochs:g}; prepare a real corpus "
+                             f"with prepare.py (docs/data.md), lower --stop_at_step or the "
+                             f"source's weight, or pass --max_epochs=none to accept it")
         if epochs > EPOCHS_WARNED:
             warnings.append(f"warning: this run reads {source} {epochs:,.1f} times (more than "
                             f"{EPOCHS_WARNED} epochs, past which repeated data teaches little); "
                             f"prepare a real corpus or a mixture of corpora (docs/data.md), "
-                            f"or set --max_epochs to refuse such a plan")
+                            f"or set --max_epochs=4 to refuse such a plan")
     return warnings
 
 

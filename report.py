@@ -23,8 +23,9 @@ kill -9 cut short is left out with one warning.
 
 Several folders are overlaid in one figure, labelled by folder name, with a table of their
 finals and of the knobs in which they differ. A run of the `tiny` preset, unmodified, is
-drawn over the reference seeds kept in reference/tiny/, and the report says whether its
-final val loss falls within their spread.
+drawn over the reference seeds of its precision kept in reference/tiny/ (bf16/ and fp32/:
+auto trains tiny in bf16 on a CPU that computes it, in fp32 elsewhere), and the report says
+whether its final val loss falls within their spread.
 
 Imports from stacklm: cli (the one-line errors) and config (knob names; neither imports
 torch). It reads JSON and draws with matplotlib (a bare Figure, rendered by Agg: no
@@ -46,6 +47,9 @@ import config
 from plumbing.cli import ArgumentParser, user_errors
 
 REFERENCE = Path(__file__).resolve().parent / "reference" / "tiny"
+# The reference seeds' folder for each precision `auto` may train tiny in (the start
+# record's hardware.precision): a run is compared with the seeds of its own precision.
+REFERENCE_PRECISION = {"bf16": "bf16", "no": "fp32"}
 # Knobs that change nothing a run computes before its sample, or only which seed it draws:
 # a tiny run that differs from the preset in these alone is compared with the reference.
 UNCHANGED_BY = {"out_dir", "resume", "seed", "wandb_mode", "wandb_project", "write_report",
@@ -249,25 +253,33 @@ def reference_verdict(run: RunLog) -> str | None:
     if start.get("preset") != "tiny" or not unchanged or done["eval_step"] is None \
             or done["eval_step"] != run.config["stop_at_step"]:
         return None
-    seeds = reference_runs()
+    precision = reference_precision(run)
+    seeds = reference_runs(precision)
     if not seeds:
         return None
     finals = [results(seed)["val_loss"] for seed in seeds]
     low, high, ours = min(finals), max(finals), done["val_loss"]
     spread = f"{low:.4f}–{high:.4f}, {len(seeds)} seed{'s' if len(seeds) > 1 else ''}"
+    seeds_are = f"the {precision} reference seeds"
     if ours is None:
-        return f"reference: the final val loss is not finite (the reference seeds: {spread})"
+        return f"reference: the final val loss is not finite ({seeds_are}: {spread})"
     if low <= ours <= high:
-        return (f"reference: final val loss {ours:.4f} is within the reference seeds' spread "
-                f"({spread})")
+        return f"reference: final val loss {ours:.4f} is within {seeds_are}' spread ({spread})"
     by = ours - high if ours > high else low - ours
     side = "above" if ours > high else "below"
-    return (f"reference: final val loss {ours:.4f} is outside the reference seeds' spread "
+    return (f"reference: final val loss {ours:.4f} is outside {seeds_are}' spread "
             f"({spread}): {by:.4f} {side} it")
 
 
-def reference_runs() -> list[RunLog]:
-    return [read_run(d) for d in sorted(REFERENCE.glob("seed-*")) if (d / "metrics.jsonl").exists()]
+def reference_precision(run: RunLog) -> str:
+    """The precision a run trained in (its last start's), as the reference folders name it."""
+    return REFERENCE_PRECISION.get(run.starts[-1].get("hardware", {}).get("precision"), "fp32")
+
+
+def reference_runs(precision: str) -> list[RunLog]:
+    """The reference seeds kept for `precision` (bf16 or fp32)."""
+    folders = sorted((REFERENCE / precision).glob("seed-*"))
+    return [read_run(d) for d in folders if (d / "metrics.jsonl").exists()]
 
 
 # ---------------------------------------------------------------------------------------
@@ -660,7 +672,7 @@ def write(folders: list, out: Path | None = None) -> tuple[Path, str | None, lis
     out = Path(out or folders[0])
     verdict = reference_verdict(runs[0]) if len(runs) == 1 else None
     if len(runs) == 1:
-        reference = reference_runs() if verdict else []
+        reference = reference_runs(reference_precision(runs[0])) if verdict else []
         figure, text = draw(runs, reference), markdown(runs[0], verdict)
     else:
         figure, text = draw(runs), comparison(runs)

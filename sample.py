@@ -9,7 +9,7 @@ end-of-text token, which opens a completion as it opened each training document)
 provenance.json (where it came from; sample.py does not need it). A missing or
 damaged export is one line on stderr and exit status 2; --debug shows the traceback.
 
-Imports from stacklm: cli, config, model and prepare (the tokenizer's end-of-text token, by
+Imports from stacklm: cli, config, launch (the devices), model and prepare (the tokenizer's end-of-text token, by
 its rule).
 """
 
@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 from config import StackConfig
 from model import TEMPERATURE, TOP_K, Transformer, complete
 from plumbing.cli import ArgumentParser, user_errors
+from plumbing.launch import DEVICES
 from prepare import separator_token
 
 # What sampling needs of an export (export.py also writes provenance.json, for people).
@@ -77,15 +78,19 @@ def load_export(export_dir: str, device: str = "cpu") -> tuple[Transformer, Toke
 
 
 def checked_device(name: str) -> str:
-    """--device, refused in one line where torch knows no such device or this machine has
-    none (torch.load would blame the export for it)."""
+    """--device: auto takes what training's --device=auto takes (a CUDA GPU, else an Apple
+    GPU, else the CPU); a device torch does not know, or one this machine lacks, is refused
+    in one line (torch.load would blame the export for it)."""
+    if name == "auto":
+        return next(device for device, (present, _) in DEVICES.items() if present())
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ValueError(f"--device {name} is not a device torch knows; use cpu, or cuda "
-                         f"(cuda:N) on a machine with a GPU") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: this machine has no CUDA GPU; use --device cpu")
+        raise ValueError(f"--device {name} is not a device torch knows; use auto, cpu, cuda "
+                         f"(cuda:N) or mps") from None
+    if device.type in DEVICES and not DEVICES[device.type][0]():
+        raise ValueError(f"--device {name}: this machine has no {DEVICES[device.type][1]}; "
+                         f"use --device auto or cpu")
     return name
 
 
@@ -114,8 +119,9 @@ def main(argv=None):
                              "does; 0 = no top-k filter")
     parser.add_argument("--num_samples", type=int, default=3, help="completions to print")
     parser.add_argument("--seed", type=int, default=1337, help="seeds the sampling")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="where the model runs")
+    parser.add_argument("--device", default="auto",
+                        help="where the model runs: auto (a CUDA GPU, else an Apple GPU, else "
+                             "the CPU), cuda, cuda:N, mps or cpu")
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error, not just its message")
     args = parser.parse_args(argv)

@@ -28,6 +28,7 @@ Imports from stacklm: nothing. It takes a model, optimizers and plain values.
 """
 
 import contextlib
+import datetime
 import functools
 import json
 import operator
@@ -35,6 +36,7 @@ import pickle
 import random
 import re
 import shutil
+import sys
 import time
 import warnings
 from concurrent.futures import Future
@@ -250,6 +252,13 @@ class InFlight(NamedTuple):
     blocked: float  # seconds the loop waited for it: checks and staging
 
 
+# How long a leaving rank waits for a background save to finish, and how long any
+# collective of that save's own gloo group may wait for the other ranks (gloo's default is 30
+# minutes): a rank whose peer died then leaves instead of holding its allocation. Five
+# minutes cover a Stack-100M checkpoint (1.2 GB over all ranks) on a slow shared disk.
+SAVE_WAIT_S = 300
+
+
 class Saver:
     """Writes the run's checkpoints: each out_dir/ckpt/step_XXXXXXX atomically, in one of two
     ways.
@@ -273,7 +282,8 @@ class Saver:
     def __init__(self, accelerator, in_background: bool):
         self.accelerator, self.in_background = accelerator, in_background
         self.in_flight: InFlight | None = None
-        self.group = dist.new_group(backend="gloo") \
+        self.group = dist.new_group(backend="gloo",
+                                    timeout=datetime.timedelta(seconds=SAVE_WAIT_S)) \
             if in_background and dist.is_initialized() else None
 
     def __enter__(self):
@@ -286,8 +296,14 @@ class Saver:
             # After an error the write is let finish (the process group outlives it), but not
             # counted: the run may have stopped for what those weights hold (a divergence),
             # and other ranks may be gone. It stays .tmp; a resume takes the one before.
-            with contextlib.suppress(Exception, dcp.CheckpointException):
-                self.in_flight.future.result()
+            try:
+                self.in_flight.future.result(timeout=SAVE_WAIT_S)
+            except TimeoutError:
+                print(f"checkpoint: the background save of step {self.in_flight.step} did not "
+                      f"finish within {SAVE_WAIT_S} s; leaving it incomplete "
+                      f"({self.in_flight.tmp})", file=sys.stderr)
+            except (Exception, dcp.CheckpointException):
+                pass
 
     def save(self, model, optimizers: list, train_state: dict, out_dir, keep_last: int,
              keep_steps=(), blocking: bool = True) -> list[tuple[int, float, float]]:
@@ -345,10 +361,12 @@ class Saver:
             return []
         flight, self.in_flight = self.in_flight, None
         try:
-            flight.future.result()
+            flight.future.result(timeout=SAVE_WAIT_S)
         except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException
+            why = f"not done within {SAVE_WAIT_S} s" if isinstance(e, TimeoutError) \
+                else failure(e)
             raise CheckpointWriteError(f"the checkpoint of step {flight.step} failed while it "
-                                       f"was written in the background: {failure(e)}; "
+                                       f"was written in the background: {why}; "
                                        f"{flight.tmp} is incomplete, and the newest complete "
                                        f"checkpoint is the one before it") from e
         self.complete(flight.tmp, flight.prune)

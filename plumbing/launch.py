@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -31,14 +32,50 @@ def make_accelerator(cfg) -> Accelerator:
     Without CUDA, `cpu=True` makes a multi-process launch DDP over gloo (MULTI_CPU). The
     launch config is checked first (`check_launch`), before accelerate reads it."""
     check_launch(os.environ)
-    cpu = not torch.cuda.is_available()
-    if not cpu:
+    device = device_type(cfg)
+    check_platform(device, os.environ)
+    cpu = device == "cpu"
+    if device == "cuda":
         # fp32 matmuls (the loss head's fp32 logits above all) run on TF32 tensor cores:
         # fp32 range and accumulation, 10-bit mantissa inputs, as nanoGPT and torchtitan do.
         torch.set_float32_matmul_precision("high")
     world_size = PartialState(cpu=cpu).num_processes
     return Accelerator(cpu=cpu, mixed_precision=precision(cfg)[0],
                        gradient_accumulation_steps=cfg.grad_accum_steps(world_size))
+
+
+# The devices a run may train on, in the order --device=auto tries them (nanochat's), with
+# the test for each and what it is called in a refusal.
+DEVICES = {"cuda": (lambda: torch.cuda.is_available(), "CUDA GPU"),
+           "mps": (lambda: torch.backends.mps.is_available(), "Apple GPU (MPS)"),
+           "cpu": (lambda: True, "CPU")}
+
+
+def device_type(cfg) -> str:
+    """The device type a run trains on: --device, or for auto a CUDA GPU, else an Apple GPU,
+    else the CPU. One the machine lacks is refused in one line."""
+    if cfg.device == "auto":
+        return next(name for name, (present, _) in DEVICES.items() if present())
+    present, what = DEVICES[cfg.device]
+    if not present():
+        raise ValueError(f"device={cfg.device}: this machine has no {what}; use --device=auto "
+                         f"(it picks what the machine has) or --device=cpu")
+    return cfg.device
+
+
+def check_platform(device: str, environ, platform: str = sys.platform):
+    """Refuse a launched multi-process run where it cannot work: on an Apple GPU (no
+    collective backend takes MPS tensors), and on Windows (torch's launcher and the
+    process-group exit are tested on Linux only)."""
+    if int(environ.get("WORLD_SIZE", "1")) == 1:
+        return
+    if device == "mps":
+        raise ValueError("an Apple GPU (MPS) trains on one process: no collective backend "
+                         "takes MPS tensors; run `python train.py`, or pass --device=cpu to "
+                         "launch several CPU processes")
+    if platform == "win32":
+        raise ValueError("a launched multi-process run needs Linux or macOS; on Windows train "
+                         "on one process (`python train.py`), or launch under WSL2")
 
 
 def precision(cfg) -> tuple[str, str]:
@@ -49,7 +86,11 @@ def precision(cfg) -> tuple[str, str]:
     launch config's (precision_warnings warns)."""
     if cfg.mixed_precision != "auto":
         return cfg.mixed_precision, "the config's mixed_precision"
-    if torch.cuda.is_available():
+    device = device_type(cfg)
+    if device == "mps":  # nanochat too trains in fp32 there
+        return "no", ("auto: an Apple GPU (MPS) trains in fp32, which every macOS computes; "
+                      "bf16 there needs macOS 14, and fp16 a loss scaler")
+    if device == "cuda":
         name, (major, minor) = torch.cuda.get_device_name(), torch.cuda.get_device_capability()
         if gpu_computes_bf16():
             return "bf16", f"auto: {name} (compute capability {major}.{minor}) computes bf16"
@@ -97,8 +138,11 @@ def use_compile(cfg) -> tuple[bool, str]:
     counted to stop_at_step from step 0)."""
     if cfg.compile_model != "auto":
         return cfg.compile_model == "true", "the config's compile_model"
-    if torch.cuda.is_available():
+    device = device_type(cfg)
+    if device == "cuda":
         return True, "auto: a GPU"
+    if device == "mps":
+        return False, "auto: an Apple GPU, where torch.compile's backend is a prototype"
     long_enough = cfg.stop_at_step >= CPU_COMPILE_MIN_STEPS
     length = "long enough" if long_enough else "too short"
     return long_enough, (f"auto: a CPU run of {cfg.stop_at_step:,} steps, {length} to pay back "
@@ -238,7 +282,7 @@ def record_outcome(outcome: str, step: int, is_local_main: bool):
     if path and is_local_main:
         tmp = Path(f"{path}.tmp")
         tmp.write_text(f"{outcome} {step}\n")
-        tmp.rename(path)  # whole or absent, never half-written
+        tmp.replace(path)  # whole or absent, never half-written (rename fails on Windows)
 
 
 # How long a rank on its way out after an error waits for the others at the barrier: a rank

@@ -25,12 +25,12 @@ import dataclasses
 import json
 import math
 import os
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 from tqdm import tqdm
 
@@ -142,7 +142,7 @@ def check_memory(cfg, accelerator, sharded: bool, force: bool) -> list[str]:
     fix = (f"--micro_batch_size={fits} (estimate {estimate(fits):.1f} GiB: the same global "
            f"batch, in more accumulation steps), or " if fits else "") + "--preset tiny"
     problem = f"the memory estimate is {need:.1f} GiB per rank, more than {where}"
-    if device.type == "cuda":
+    if device.type != "cpu":  # a GPU that runs out says so; a CPU that does swaps or is killed
         return [f"warning: {problem}; if it runs out of memory, use {fix} (docs/scale.md: Memory)"]
     if force:
         return [f"warning: {problem}; starting anyway (--force)"]
@@ -166,8 +166,11 @@ def memory_capacity(device: torch.device) -> tuple[float, str]:
         properties = torch.cuda.get_device_properties(device)
         gib = properties.total_memory / 2**30
         return gib, f"this GPU's {gib:.1f} GiB ({properties.name})"
+    if device.type == "mps":  # memory shared with the CPU: what Metal lets the GPU's work hold
+        gib = torch.mps.recommended_max_memory() / 2**30
+        return gib, f"this Apple GPU's {gib:.1f} GiB (Metal's recommended working set)"
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    ram = psutil.virtual_memory().total / 2**30
     shared = f", shared by {ranks} ranks" if ranks > 1 else ""
     return ram / ranks, f"this machine's {ram:.1f} GiB of RAM{shared}"
 
@@ -202,6 +205,8 @@ def device_name(device: torch.device) -> str:
     cores this process may use."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    if device.type == "mps":
+        return "Apple GPU (MPS)"
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         model = next(line.split(":", 1)[1].strip() for line in lines
@@ -214,7 +219,9 @@ def device_name(device: torch.device) -> str:
 # What the log's mem column measures, as the banner says beside its estimate.
 MEM_COLUMN = {"cuda": "the log's mem column is the measured peak of allocated tensors",
               "cpu": "on a CPU the log's mem column is the process's peak resident memory, "
-                     "the Python runtime and libraries included: not comparable to this"}
+                     "the Python runtime and libraries included: not comparable to this",
+              "mps": "on an Apple GPU the log's mem column is what Metal holds for this process "
+                     "at the log line (it keeps no peak)"}
 
 
 @dataclasses.dataclass
@@ -624,10 +631,24 @@ def train_line(record: dict, lrs: dict[str, float], has_peak: bool) -> str:
 
 
 def memory_gib(device: torch.device) -> float:
-    """Peak CUDA memory allocated, or the process's peak resident memory on CPU."""
+    """Peak CUDA memory allocated; on an Apple GPU what Metal holds for this process now (it
+    keeps no peak); on a CPU the process's peak resident memory."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    if device.type == "mps":
+        return torch.mps.driver_allocated_memory() / 2**30
+    return peak_resident_bytes() / 2**30
+
+
+def peak_resident_bytes(platform: str = sys.platform) -> int:
+    """This process's peak resident memory: Windows reports it as the peak working set;
+    the Unix `resource` module (absent on Windows) as ru_maxrss, in bytes on macOS and in
+    KiB elsewhere (Linux, the BSDs)."""
+    if platform == "win32":
+        return psutil.Process().memory_info().peak_wset
+    import resource
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if platform == "darwin" else peak * 1024
 
 
 def fmt_time(seconds: float) -> str:

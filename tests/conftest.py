@@ -43,7 +43,8 @@ def micro_config(data_dir: str, out_dir: str, **overrides) -> config.TrainConfig
         decay_fraction=0.25, adamw_peak_lr=1e-2, muon_peak_lr=2e-2, log_every=1,
         eval_every=4, eval_tokens=1024, ckpt_every=4, keep_last_ckpts=5, compile_model="false",
         # fp32 on any CPU: auto would pick bf16 on one that computes it natively
-        mixed_precision="no", sample_tokens=8, write_report=False)
+        mixed_precision="no", sample_tokens=8, write_report=False,
+        max_epochs=None)  # the tests' corpora are small: a run may read them many times
     return apply_overrides(cfg, overrides)
 
 

@@ -82,11 +82,37 @@ def test_a_plan_past_four_epochs_warns_once_and_max_epochs_refuses(small_data_di
     assert len(warnings) == 1
     assert warnings[0].startswith(f"warning: this run reads {small_data_dir} 4.0 times")
     assert "a mixture of corpora" in warnings[0] and "--max_epochs" in warnings[0]
-    with pytest.raises(ValueError, match=r"more than max_epochs=4; prepare a larger corpus"):
+    with pytest.raises(ValueError, match=r"more than max_epochs=4; prepare a real corpus"):
         config.check_epochs(*plan(math.ceil(4 * tokens / 512) + 1, max_epochs=4.0))
     assert config.check_epochs(*plan(4 * tokens // 512, max_epochs=4.0)) == []
     with pytest.raises(ValueError, match="max_epochs=0.0 must be a positive"):
         dataclasses.replace(cfg, max_epochs=0.0)
+
+
+def test_by_default_a_plan_past_16_epochs_is_refused_as_the_gpus_bare_command_would_be():
+    """Bare `python train.py` on a GPU is Stack-100M's reference run: on the built-in corpus
+    (7.9M tokens of the Python standard library, 32k vocabulary) it would read it 2,275
+    times, hours of a GPU spent on what repetition no longer teaches. The default refuses
+    past 16 epochs and names the fix; --max_epochs=none accepts any repetition."""
+    cfg, builtin = config.stack100m(), 7_913_000
+    stages = cfg.stages(config.wsd_phases(cfg).decay_start)
+    plan = config.data_plan(cfg, stages, {cfg.data_dir: builtin})
+    epochs = cfg.stop_at_step * cfg.global_batch_tokens / builtin  # plain arithmetic
+    assert cfg.max_epochs == 16 and round(epochs) == 2275
+    with pytest.raises(ValueError) as refused:
+        config.check_epochs(cfg, plan)
+    assert str(refused.value) == (
+        f"this run would read {cfg.data_dir} {epochs:,.1f} times "
+        f"({cfg.stop_at_step * cfg.global_batch_tokens:,} tokens planned over {builtin:,} "
+        f"tokens/epoch), more than max_epochs=16; prepare a real corpus with prepare.py "
+        f"(docs/data.md), lower --stop_at_step or the source's weight, or pass "
+        f"--max_epochs=none to accept it")
+    accepted = dataclasses.replace(cfg, max_epochs=None)
+    assert [w[:len("warning: this run reads")] for w in config.check_epochs(accepted, plan)] \
+        == ["warning: this run reads"]
+    sixteen = dataclasses.replace(cfg, stop_at_step=16 * builtin // cfg.global_batch_tokens)
+    assert len(config.check_epochs(sixteen, config.data_plan(sixteen, stages,
+                                                            {cfg.data_dir: builtin}))) == 1
 
 
 def test_setup_prints_the_warning_once_and_max_epochs_refuses_before_any_step(

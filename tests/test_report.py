@@ -543,27 +543,40 @@ def test_comparing_needs_an_out_folder(tmp_path):
 # --- the reference ----------------------------------------------------------------------
 
 def test_a_tiny_run_is_read_against_the_reference_seeds(tmp_path, monkeypatch):
-    """Three hand-made seeds end at 4.20, 4.22 and 4.25: 4.21 is within, 4.30 is 0.05 above;
-    the report draws each seed's val loss under the run's; a run that changed a knob that
-    matters is not compared, and no seed is drawn."""
+    """Three hand-made fp32 seeds end at 4.20, 4.22 and 4.25: 4.21 is within, 4.30 is 0.05
+    above; the report draws each seed's val loss under the run's; a run that changed a knob
+    that matters is not compared, and no seed is drawn. (The bf16 seeds, far off, are
+    another precision's: an fp32 run is never read against them.)"""
     for seed, final in zip((1, 2, 3), (4.20, 4.22, 4.25)):
-        hand_made_log(tmp_path / "reference" / f"seed-{seed}", [5.0, 4.5], val_loss=final)
+        hand_made_log(tmp_path / "reference" / "fp32" / f"seed-{seed}", [5.0, 4.5],
+                      val_loss=final)
+        hand_made_log(tmp_path / "reference" / "bf16" / f"seed-{seed}", [5.0, 4.5],
+                      val_loss=final + 1)
     monkeypatch.setattr(report, "REFERENCE", tmp_path / "reference")
     figures, draw = [], report.draw
     monkeypatch.setattr(report, "draw", lambda *a: figures.append(draw(*a)) or figures[-1])
     hand_made_log(tmp_path / "ours", [5.0, 4.4], val_loss=4.21)
     assert report.reference_verdict(report.read_run(tmp_path / "ours")) == (
-        "reference: final val loss 4.2100 is within the reference seeds' spread "
+        "reference: final val loss 4.2100 is within the fp32 reference seeds' spread "
         "(4.2000–4.2500, 3 seeds)")
     out, verdict, _ = report.write([tmp_path / "ours"])
     fig_text = (out / "report.md").read_text()
     assert "Reference: final val loss 4.2100 is within" in fig_text
     drawn = [list(line.get_ydata()) for line in series(figures[-1], "reference", "val loss")]
     assert drawn == [[4.20], [4.22], [4.25]]
+    bf16 = tmp_path / "ours-bf16"
+    hand_made_log(bf16, [5.0, 4.4], val_loss=5.21)
+    lines = (bf16 / "metrics.jsonl").read_text().splitlines()
+    start = json.loads(lines[0])
+    start["hardware"]["precision"] = "bf16"
+    (bf16 / "metrics.jsonl").write_text("\n".join([json.dumps(start)] + lines[1:]) + "\n")
+    assert report.reference_verdict(report.read_run(bf16)) == (
+        "reference: final val loss 5.2100 is within the bf16 reference seeds' spread "
+        "(5.2000–5.2500, 3 seeds)")
 
     hand_made_log(tmp_path / "ours", [5.0, 4.4], val_loss=4.30)
     assert report.reference_verdict(report.read_run(tmp_path / "ours")) == (
-        "reference: final val loss 4.3000 is outside the reference seeds' spread "
+        "reference: final val loss 4.3000 is outside the fp32 reference seeds' spread "
         "(4.2000–4.2500, 3 seeds): 0.0500 above it")
     changed = tmp_path / "ours" / "metrics.jsonl"
     start = json.loads(changed.read_text().splitlines()[0])
@@ -574,23 +587,29 @@ def test_a_tiny_run_is_read_against_the_reference_seeds(tmp_path, monkeypatch):
     assert series(figures[-1], "reference") == []
 
 
-def test_the_reference_runs_kept_in_the_repository():
-    """Three finished runs of the unmodified tiny preset, one per seed, strict JSON; the run
-    README shows (the default seed, on this project's machine) ends where the default seed's
-    reference ends, to the drift between machines README states (5.3e-5 relative) and the
-    fourth decimal it prints."""
-    seeds = sorted(report.REFERENCE.glob("seed-*"))
+# Where each precision's seed 1337 is quoted: README's run (bf16, on a CPU that computes
+# it) and docs/report.md's fp32 figure (a CPU without bf16 arithmetic).
+QUOTED_1337 = {"bf16": ("README.md", r"^eval    300 \| val_loss ([\d.]+) \| val_bpb ([\d.]+)"),
+               "fp32": ("docs/report.md", r"Seed 1337 in fp32 ended at ([\d.]+), val_bpb ([\d.]+)")}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_reference_runs_kept_in_the_repository(precision):
+    """Three finished runs of the unmodified tiny preset in each precision, one per seed,
+    strict JSON; the default seed's ends where the docs quote it, to the drift between
+    machines docs/report.md states (5.3e-5 relative) and the fourth decimal it prints."""
+    seeds = sorted((report.REFERENCE / precision).glob("seed-*"))
     assert len(seeds) == 3
     finals = {}
     for folder in seeds:
         [start], [end] = records(folder, "start"), records(folder, "end")
         assert start["preset"] == "tiny" and end["outcome"] == "finished"
         assert {k for k, *_ in start["preset_changes"]} <= report.UNCHANGED_BY
+        assert report.REFERENCE_PRECISION[start["hardware"]["precision"]] == precision
         finals[start["config"]["seed"]] = records(folder, "eval")[-1]
     assert len(finals) == 3 and 1337 in finals
-    readme = (REPO / "README.md").read_text()
-    [(loss, bpb)] = re.findall(r"^eval    300 \| val_loss ([\d.]+) \| val_bpb ([\d.]+)", readme,
-                               re.M)
+    page, pattern = QUOTED_1337[precision]
+    [(loss, bpb)] = re.findall(pattern, (REPO / page).read_text(), re.M)
     assert abs(float(loss) - finals[1337]["val_loss"]) <= 5.3e-5 * float(loss) + 5e-5
     assert abs(float(bpb) - finals[1337]["val_bpb"]) <= 5.3e-5 * float(bpb) + 5e-5
 

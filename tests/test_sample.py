@@ -122,15 +122,16 @@ def test_unreadable_weights_and_tokenizer(export, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("device, message", [
-    ("gpu", "--device gpu is not a device torch knows; use cpu, or cuda (cuda:N) on a machine "
-            "with a GPU"),
-    ("cuda", "--device cuda: this machine has no CUDA GPU; use --device cpu")])
+    ("gpu", "--device gpu is not a device torch knows; use auto, cpu, cuda (cuda:N) or mps"),
+    ("cuda", "--device cuda: this machine has no CUDA GPU; use --device auto or cpu"),
+    ("mps", "--device mps: this machine has no Apple GPU (MPS); use --device auto or cpu")])
 def test_a_device_this_machine_lacks_is_named_not_blamed_on_the_export(export, capsys,
                                                                       monkeypatch, device,
                                                                       message):
     """torch.load's own error for it read "model.pt is not a readable torch.save file",
     with a fix (export again) that cannot help."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_info:
         sample.main(["--export", str(export), "--device", device])
     assert_one_line_error(exit_info.value.code, capsys.readouterr().err, message)
