@@ -634,15 +634,19 @@ def test_flop_counts_match_flop_counter_mode():
 # ---------------------------------------------------------------------------------------
 
 
-def test_kv_cache_generation_equals_greedy_decoding_without_cache():
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+def test_kv_cache_generation_equals_greedy_decoding_without_cache(mode):
+    """Under every activation_recompute mode: the end-of-run sample generates with the
+    blocks the trainer set to recompute. The oracle is greedy decoding by whole forwards,
+    without a cache, of the model before it was set to recompute anything."""
     model = small_model(init_std=0.3)  # at std 0.02 a random model repeats one token
     prompt = torch.randint(0, 97, (2, 5))
-    generated = model.generate(prompt, max_new_tokens=20, temperature=0)
     tokens = prompt
     with torch.no_grad():
         for _ in range(20):
             logits = model.logits(tokens, last_only=True)  # the whole sequence again
             tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    generated = recomputed(model, mode).generate(prompt, max_new_tokens=20, temperature=0)
     assert torch.equal(generated, tokens)
     assert len(set(tokens[0, 5:].tolist())) > 1  # not a degenerate constant sequence
 
