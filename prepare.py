@@ -662,15 +662,15 @@ def check_reused_tokenizer(path: str) -> tuple[Tokenizer, str, bytes]:
 def reused_tokenizer_file(path: str) -> Path:
     """--tokenizer names a tokenizer.json, or the folder that holds one: a downloaded model's
     folder is what a user has at hand (and what tab completion gives)."""
-    if Path(path).is_dir():
-        if not (Path(path) / TOKENIZER_FILE).is_file():
-            raise FileNotFoundError(f"--tokenizer {path} is a folder without a {TOKENIZER_FILE}; "
-                                    f"pass the folder of a model that has one, or the file itself")
-        return Path(path) / TOKENIZER_FILE
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"--tokenizer {path} does not exist; pass a tokenizer.json, "
-                                f"e.g. data/stdlib-32k/tokenizer.json")
-    return Path(path)
+    given = Path(path)
+    file = given / TOKENIZER_FILE if given.is_dir() else given
+    if given.is_dir() and not file.is_file():
+        raise FileNotFoundError(f"--tokenizer {path} is a folder without a {TOKENIZER_FILE}; "
+                                f"pass the folder of a model that has one, or the file itself")
+    if not file.is_file():
+        raise FileNotFoundError(f"--tokenizer {path} does not exist; pass a tokenizer.json or "
+                                f"the folder that holds one, e.g. data/stdlib-32k")
+    return file
 
 
 def read_tokenizer(file: Path) -> tuple[Tokenizer, bytes]:
