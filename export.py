@@ -160,12 +160,16 @@ def trained_tokenizer(ckpt: Path, state: dict, data_dir: str, given: bool) -> st
 
 
 def check_folder(folder: Path, names: tuple[str, ...]):
-    """Before any work: the export's folder must be a folder (or absent), and a scratch
-    folder a killed export left beside it must hold the export's files alone, for they go."""
+    """Before any work: the export's folder and its scratch folder must be folders (or
+    absent), and a scratch folder a killed export left must hold the export's files alone,
+    for they go."""
     if folder.exists() and not folder.is_dir():
         raise NotADirectoryError(f"{folder} is a file, not the folder export.py writes; move "
                                  f"it elsewhere")
     scratch = scratch_of(folder)
+    if scratch.exists() and not scratch.is_dir():
+        raise NotADirectoryError(f"{scratch} is a file, where export.py writes its scratch "
+                                 f"folder; move it elsewhere")
     others = sorted(p.name for p in scratch.iterdir() if p.name not in names) \
         if scratch.is_dir() else []
     if others:

@@ -104,7 +104,8 @@ def prepare(source=None, out_dir=None, vocab_size=32768, tokenizer=None, text_fi
     root, files = find_source(source)
     check_parquet(files, text_field)
     check_out_dir(out_dir, Path(source) if source and Path(source).is_dir() else None)
-    reused = check_reused_tokenizer(tokenizer) if tokenizer else None  # (tokenizer, separator)
+    # (tokenizer, separator, the file's bytes)
+    reused = check_reused_tokenizer(tokenizer) if tokenizer else None
     source_name = source or f"stdlib:{root}"
     corpus = Corpus(source, root, files, text_field, subset, split)
     skipped = []
@@ -112,7 +113,7 @@ def prepare(source=None, out_dir=None, vocab_size=32768, tokenizer=None, text_fi
         raise ValueError(empty_corpus(source_name, skipped))
     with building(out_dir) as build:
         manifest, tokenizer_s = write_dataset(build, corpus, source_name, vocab_size, reused,
-                                              tokenizer, shard_tokens, val_fraction, max_tokens,
+                                              shard_tokens, val_fraction, max_tokens,
                                               tokenizer_chars)
     print_summary(out_dir, manifest, tokenizer_s, time.time() - start,
                   asked=None if reused else vocab_size)
@@ -136,8 +137,8 @@ def building(out_dir: Path):
     build.rename(out_dir)
 
 
-def write_dataset(build: Path, corpus, source_name, vocab_size, reused, tokenizer,
-                  shard_tokens, val_fraction, max_tokens, tokenizer_chars) -> tuple[dict, float]:
+def write_dataset(build: Path, corpus, source_name, vocab_size, reused, shard_tokens,
+                  val_fraction, max_tokens, tokenizer_chars) -> tuple[dict, float]:
     """Tokenizer, shards and, last, the manifest that vouches for them, into `build`;
     returns the manifest and the seconds the tokenizer took."""
     start = time.time()
@@ -146,7 +147,7 @@ def write_dataset(build: Path, corpus, source_name, vocab_size, reused, tokenize
         tok = train_tokenizer(sample(corpus, val_fraction, tokenizer_chars), vocab_size)
         tokenizer_json, separator = tok.to_str().encode(), EOS_TOKEN
     else:
-        (tok, separator), tokenizer_json = reused, Path(tokenizer).read_bytes()
+        tok, separator, tokenizer_json = reused
     write_atomic(build / TOKENIZER_FILE, tokenizer_json)
     tokenizer_s = time.time() - start
 
@@ -643,20 +644,51 @@ def train_tokenizer(texts, vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def check_reused_tokenizer(path: str) -> tuple[Tokenizer, str]:
-    """A --tokenizer must be byte-level (token_bytes relies on it) and name its document
-    separator (`separator_token`); returns it and that token."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"--tokenizer {path} does not exist; pass a tokenizer.json, "
-                                f"e.g. data/stdlib-32k/tokenizer.json")
-    tokenizer = Tokenizer.from_file(path)
-    separator = separator_token(Path(path), tokenizer)
+def check_reused_tokenizer(path: str) -> tuple[Tokenizer, str, bytes]:
+    """A --tokenizer must be a tokenizer.json (`read_tokenizer`), byte-level (token_bytes
+    relies on it) and name its document separator (`separator_token`); returns it, that
+    token and the file's bytes."""
+    file = reused_tokenizer_file(path)
+    tokenizer, tokenizer_json = read_tokenizer(file)
+    separator = separator_token(file, tokenizer)
     byte_symbols = set(pre_tokenizers.ByteLevel.alphabet())
     added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
     if any(set(token) - byte_symbols for token in tokenizer.get_vocab() if token not in added):
-        raise ValueError(f"--tokenizer {path} is not a byte-level BPE tokenizer; use one "
+        raise ValueError(f"--tokenizer {file} is not a byte-level BPE tokenizer; use one "
                          f"written by prepare.py, or train a new one (omit --tokenizer)")
-    return tokenizer, separator
+    return tokenizer, separator, tokenizer_json
+
+
+def reused_tokenizer_file(path: str) -> Path:
+    """--tokenizer names a tokenizer.json, or the folder that holds one: a downloaded model's
+    folder is what a user has at hand (and what tab completion gives)."""
+    given = Path(path)
+    file = given / TOKENIZER_FILE if given.is_dir() else given
+    if given.is_dir() and not file.is_file():
+        raise FileNotFoundError(f"--tokenizer {path} is a folder without a {TOKENIZER_FILE}; "
+                                f"pass the folder of a model that has one, or the file itself")
+    if not file.is_file():
+        raise FileNotFoundError(f"--tokenizer {path} does not exist; pass a tokenizer.json or "
+                                f"the folder that holds one, e.g. data/stdlib-32k")
+    return file
+
+
+def read_tokenizer(file: Path) -> tuple[Tokenizer, bytes]:
+    """The tokenizer in `file` and the file's bytes. A file that is not one is refused in one
+    line: the tokenizers library's own refusal is a bare Exception, a traceback."""
+    tokenizer_json = file.read_bytes()
+    try:
+        json.loads(tokenizer_json)
+    except ValueError as e:  # the usual case: a web page saved under the file's name
+        raise ValueError(f"--tokenizer {file} is not JSON ({e}); a web page saved in its place? "
+                         f"download the file itself again (on the Hugging Face Hub, its "
+                         f"resolve/ link, not its blob/ page)") from None
+    try:
+        return Tokenizer.from_str(tokenizer_json.decode()), tokenizer_json
+    except Exception as e:
+        raise ValueError(f"--tokenizer {file} is JSON but not a tokenizer the tokenizers "
+                         f"library reads ({e}); pass a tokenizer.json written by prepare.py "
+                         f"or by a Hugging Face tokenizer") from None
 
 
 def separator_token(path: Path, tokenizer: Tokenizer) -> str:
@@ -822,8 +854,9 @@ def main(argv=None):
                              "data/stdlib-<vocab_size/1024>k)")
     parser.add_argument("--vocab_size", type=int, default=32768,
                         help="BPE vocabulary size to train, including EOS (default 32768)")
-    parser.add_argument("--tokenizer", help="reuse this tokenizer.json instead of training one, "
-                        "so corpora share a vocabulary (default: train one)")
+    parser.add_argument("--tokenizer", help="reuse this tokenizer.json (or a model folder's) "
+                        "instead of training one, so corpora share a vocabulary (default: "
+                        "train one)")
     parser.add_argument("--text_field", default="text",
                         help="field holding the text in .jsonl lines, .parquet columns and "
                              "datasets (default text)")

@@ -55,7 +55,7 @@ def one_save(saver, model, optimizers, out_dir: str, step: int) -> tuple[float, 
 def main():
     parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=cli.at_least(1), default=3)
-    parser.add_argument("--tokens_per_s", type=float, default=560_000)
+    parser.add_argument("--tokens_per_s", type=cli.positive_number, default=560_000)
     parser.add_argument("--preset", choices=sorted(config.PRESETS), default="stack100m",
                         help="whose model and optimizer state to write (tiny: a smoke run)")
     args = parser.parse_args()

@@ -29,6 +29,7 @@ Imports from stacklm: nothing. It takes a model, optimizers and plain values.
 
 import contextlib
 import datetime
+import errno
 import functools
 import json
 import operator
@@ -239,7 +240,46 @@ def unwrapped_optimizer(optimizer):
 
 
 class CheckpointWriteError(OSError):
-    """A checkpoint written in the background could not be written (a full disk, say)."""
+    """A checkpoint could not be written (a full disk, say), blocking or in the background."""
+
+
+def write_error(step: int, tmp: Path, error: BaseException, how: str) -> CheckpointWriteError:
+    """One line for checkpoint `tmp` of `step`, whose write failed `how` ("" or " in the
+    background"): the cause, the folder left incomplete, the checkpoint a resume takes
+    instead, and the fix. A full disk is named by where it is mounted: the error DCP's
+    writer meets names no file."""
+    out_dir = tmp.parent.parent
+    found = find(out_dir, "auto")
+    before = f"the newest complete checkpoint is still {found}" if found else \
+        "there is no complete checkpoint before it"
+    full = getattr(cause(error), "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+    fix = f"once there is room on the disk mounted at {mount_point(tmp)}" if full else \
+        "once that is fixed"
+    then = ": it resumes from there" if found else " again"
+    return CheckpointWriteError(
+        f"the checkpoint of step {step} failed while it was written{how}: {failure(error)}; "
+        f"{tmp} is incomplete, and {before}; {fix}, run the same command{then}")
+
+
+@contextlib.contextmanager
+def writing(step: int, tmp: Path):
+    """A failure to write checkpoint `tmp` of `step` for an OSError (a full disk, a folder
+    it may not write), on any rank (DCP's CheckpointException carries each rank's), becomes
+    one CheckpointWriteError; any other failure is a bug and keeps its traceback."""
+    try:
+        yield
+    except (OSError, dcp.CheckpointException) as e:  # DCP's is a BaseException
+        if not isinstance(cause(e), OSError):
+            raise
+        raise write_error(step, tmp, e, "") from e
+
+
+def mount_point(path: Path) -> Path:
+    """Where the disk that holds `path` is mounted."""
+    path = Path(path).resolve()
+    while not path.is_mount():
+        path = path.parent
+    return path
 
 
 class InFlight(NamedTuple):
@@ -272,12 +312,12 @@ class Saver:
       every rank's write is done, which `poll` checks at every step. At most one save is in
       flight: the next save waits for it, and so does a blocking save (the last step's, and
       the one a stop request makes); leaving the `with` block waits too, so the process
-      group outlives the write. A write that fails in the background stops the run as a
-      CheckpointWriteError naming its step. DCP's background thread runs collectives of its
-      own: over a gloo group of their own, which never interleave with the loop's.
+      group outlives the write. DCP's background thread runs collectives of its own: over a
+      gloo group of their own, which never interleave with the loop's.
 
-    `save` and `poll` return the saves completed by the call, (step, seconds the loop
-    waited, seconds the write took), for the log."""
+    Either way, a write that fails (a full disk) stops the run as one CheckpointWriteError
+    (write_error), and the folder stays .tmp. `save` and `poll` return the saves completed
+    by the call, (step, seconds the loop waited, seconds the write took), for the log."""
 
     def __init__(self, accelerator, in_background: bool):
         self.accelerator, self.in_background = accelerator, in_background
@@ -324,6 +364,28 @@ class Saver:
                                f"{ckpt_root(out_dir)}")
         final = step_path(out_dir, step)
         tmp = final.with_name(final.name + ".tmp")
+        optimizers = [unwrapped_optimizer(o) for o in optimizers]
+        prune = (out_dir, keep_last, tuple(keep_steps))
+        if blocking or not self.in_background:
+            with writing(step, tmp):
+                self.begin(tmp, train_state)
+                write_weights_and_optimizers(model, optimizers, tmp)
+            self.complete(tmp, prune)
+            seconds = time.perf_counter() - started
+            return done + [(step, seconds, seconds)]
+        with writing(step, tmp):
+            self.begin(tmp, train_state)
+        model_sd, optim_sd = get_state_dict(model, optimizers)
+        future = dcp.async_save({"model": model_sd, "optim": optim_sd},
+                                checkpoint_id=str(tmp), process_group=self.group)
+        self.in_flight = InFlight(future, step, tmp, prune, started,
+                                  time.perf_counter() - started)
+        return done
+
+    def begin(self, tmp: Path, train_state: dict):
+        """Make `tmp` afresh and write what DCP does not: each rank's RNG state, and
+        train_state.json."""
+        accelerator = self.accelerator
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -331,19 +393,6 @@ class Saver:
         torch.save(rng_state(), tmp / f"rng_rank{accelerator.process_index}.pt")
         if accelerator.is_main_process:
             (tmp / "train_state.json").write_text(json.dumps(train_state, indent=1))
-        optimizers = [unwrapped_optimizer(o) for o in optimizers]
-        prune = (out_dir, keep_last, tuple(keep_steps))
-        if blocking or not self.in_background:
-            write_weights_and_optimizers(model, optimizers, tmp)
-            self.complete(tmp, prune)
-            seconds = time.perf_counter() - started
-            return done + [(step, seconds, seconds)]
-        model_sd, optim_sd = get_state_dict(model, optimizers)
-        future = dcp.async_save({"model": model_sd, "optim": optim_sd},
-                                checkpoint_id=str(tmp), process_group=self.group)
-        self.in_flight = InFlight(future, step, tmp, prune, started,
-                                  time.perf_counter() - started)
-        return done
 
     def poll(self) -> list[tuple[int, float, float]]:
         """At every step: completes the save in flight once every rank's write is done (a
@@ -363,12 +412,9 @@ class Saver:
         try:
             flight.future.result(timeout=SAVE_WAIT_S)
         except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException
-            why = f"not done within {SAVE_WAIT_S} s" if isinstance(e, TimeoutError) \
-                else failure(e)
-            raise CheckpointWriteError(f"the checkpoint of step {flight.step} failed while it "
-                                       f"was written in the background: {why}; "
-                                       f"{flight.tmp} is incomplete, and the newest complete "
-                                       f"checkpoint is the one before it") from e
+            if isinstance(e, TimeoutError):  # a rank that never finishes its part
+                e = TimeoutError(f"not done within {SAVE_WAIT_S} s")
+            raise write_error(flight.step, flight.tmp, e, " in the background") from e
         self.complete(flight.tmp, flight.prune)
         return [(flight.step, flight.blocked, time.perf_counter() - flight.started)]
 
@@ -457,12 +503,19 @@ def reading(path: Path):
         raise DamagedCheckpointError(f"{path}: {failure(e)}") from e
 
 
-def failure(error: BaseException) -> str:
-    """An error's type and first line, and for DCP's CheckpointException, which says only
-    which ranks failed, that of the first rank's own error."""
+def cause(error: BaseException) -> BaseException:
+    """The error itself; for DCP's CheckpointException, which says only which ranks failed,
+    the first failing rank's own."""
     if isinstance(error, dcp.CheckpointException) and error.failures:
-        rank, (error, _) = min(error.failures.items())
-        return f"rank {rank}: {failure(error)}"
+        return error.failures[min(error.failures)][0]
+    return error
+
+
+def failure(error: BaseException) -> str:
+    """An error's type and first line; for DCP's CheckpointException, its first failing
+    rank's and which rank that is."""
+    if cause(error) is not error:
+        return f"rank {min(error.failures)}: {failure(cause(error))}"
     first = (str(error).strip().splitlines() or [""])[0][:300]
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
 

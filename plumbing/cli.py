@@ -8,6 +8,7 @@ Imports from stacklm: nothing.
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 
@@ -73,6 +74,18 @@ def at_least(minimum: int):
                                              f"{text!r}")
         return value
     return whole_number
+
+
+def positive_number(text: str) -> float:
+    """An argparse `type`: a finite number above 0, else the commands' one line (a benchmark's
+    --tokens_per_s 0 would end its whole measurement in a division by zero)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value < math.inf:  # nan compares false: refused too
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
 
 
 def is_rank0() -> bool:

@@ -582,13 +582,22 @@ class MetricsLogger:
         self.write({"kind": "skip", "step": step, "loss": loss, "grad_norm": grad_norm})
 
 
-def check_tensorboard():
-    """--tensorboard=true needs the tensorboard package, which stacklm does not require."""
+def check_tensorboard(out_dir: str):
+    """--tensorboard=true needs the tensorboard package, which stacklm does not require, and
+    out_dir/tb to be a folder (or absent)."""
     try:
         import tensorboard  # noqa: F401
     except ImportError:
         raise ValueError("--tensorboard=true needs the tensorboard package: pip install "
                          "tensorboard (or drop the flag)") from None
+    root = tensorboard_root(out_dir)
+    if root.exists() and not root.is_dir():  # the user's: kept, and refused before any work
+        raise ValueError(f"{root} is a file, where --tensorboard=true writes its folders; move "
+                         f"the file elsewhere, or choose another --out_dir")
+
+
+def tensorboard_root(out_dir: str) -> Path:
+    return Path(out_dir) / "tb"
 
 
 def tensorboard_writer(out_dir: str, start_step: int):
@@ -596,7 +605,7 @@ def tensorboard_writer(out_dir: str, start_step: int):
     folder per start, as torchtitan writes ./outputs/tb/<date-time>/."""
     from torch.utils.tensorboard import SummaryWriter  # needs tensorboard: preflight checks
     name = f"{time.strftime('%Y%m%d-%H%M%S')}-step{start_step}"
-    return SummaryWriter(log_dir=str(Path(out_dir) / "tb" / name))
+    return SummaryWriter(log_dir=str(tensorboard_root(out_dir) / name))
 
 
 def scalars(record: dict) -> dict[str, float]:

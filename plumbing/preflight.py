@@ -38,7 +38,7 @@ def check(cfg, accelerator, force: bool) -> Plan:
     """Refuse a run that cannot work, before any compute, and gather what the banner says.
     `force` (--force) starts a plan past a CPU's RAM anyway."""
     if cfg.tensorboard:
-        log.check_tensorboard()
+        log.check_tensorboard(cfg.out_dir)
     if cfg.init_from:  # a public model's weights: its shape, and later its tokenizer
         hf_import.check_shape(cfg)
     in_use, why = launch.precision(cfg)

@@ -34,11 +34,16 @@ def candidates(cfg: TrainConfig) -> list[Path]:
       "auto", so that the same command continues the branch rather than begin it again
       (torchtitan's checkpoint.initial_load_path);
     - "none": a fresh start, refused where it would overwrite checkpoints.
-    Checked before anything is built: NothingToDo where the first is already at or past
-    stop_at_step (the run would train nothing, and a resume there would only evaluate)."""
+    Checked before anything is built: out_dir and its ckpt/ must be folders (or absent), and
+    NothingToDo where the first is already at or past stop_at_step (the run would train
+    nothing, and a resume there would only evaluate)."""
     out_dir, setting = Path(cfg.out_dir), cfg.resume
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"out_dir={out_dir} is a file, not a directory; choose another --out_dir")
+    root = checkpoint.ckpt_root(out_dir)
+    if root.exists() and not root.is_dir():  # the user's: kept, and refused before any work
+        raise ValueError(f"{root} is a file, where this run keeps its checkpoints (a folder); "
+                         f"move the file elsewhere, or choose another --out_dir")
     own = checkpoint.complete_checkpoints(out_dir)[::-1]
     if setting == "none" and own:
         raise ValueError(f"resume=none: out_dir={out_dir} already holds checkpoints (newest "

@@ -306,6 +306,13 @@ BAD_BENCH_ARGS = [
                                          "got 'ten'"),
     ("lever_losses.py", ["--seeds", "x"], "argument --seeds: expected a whole number"),
     ("ce_memory.py", ["--rows", "0"], "argument --rows: expected a whole number >= 1"),
+    # --preset tiny: a refusal that fails to come costs a smoke run, not Stack-100M's
+    ("ckpt_async.py", ["--preset", "tiny", "--tokens_per_s", "0"],
+     "argument --tokens_per_s: expected a number > 0, got '0'"),
+    ("ckpt_async.py", ["--preset", "tiny", "--tokens_per_s", "-1"],
+     "argument --tokens_per_s: expected a number > 0, got '-1'"),
+    ("ckpt_async.py", ["--preset", "tiny", "--tokens_per_s", "nan"],
+     "argument --tokens_per_s: expected a number > 0, got 'nan'"),
     ("crash_resume.py", ["--kills", "-1"], "argument --kills: expected a whole number >= 0"),
     ("downstream_cost.py", ["--rounds", "0"], "argument --rounds: expected a whole number"),
     ("gpu_sweep.py", ["--budget_s", "soon"], "argument --budget_s: invalid float value"),

@@ -3,6 +3,7 @@
 import os
 import random
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -196,6 +197,13 @@ def slow_writes(monkeypatch, seconds: float, error: OSError | None = None):
     monkeypatch.setattr(FileSystemWriter, "write_data", slow)
 
 
+def disk_of(path) -> str:
+    """Where the disk holding `path` is mounted, as df reports it."""
+    out = subprocess.run(["df", "--output=target", str(path)], capture_output=True, text=True,
+                         check=True)
+    return out.stdout.splitlines()[1].strip()
+
+
 def test_the_staged_copy_is_taken_before_the_next_step_changes_the_weights(tmp_path,
                                                                            monkeypatch):
     """A background save returns once its copy is staged: weights and optimizer state
@@ -220,16 +228,22 @@ def test_the_staged_copy_is_taken_before_the_next_step_changes_the_weights(tmp_p
 
 def test_a_background_write_that_fails_stops_the_run_naming_its_step(tmp_path, monkeypatch):
     """The error DCP's thread meets is the run's error, with the step it belongs to, never
-    swallowed; the folder stays .tmp, and the newest complete checkpoint is the one before."""
+    swallowed; the folder stays .tmp, and the newest complete checkpoint is the one before.
+    The line names the disk to make room on, and the checkpoint the same command resumes
+    from."""
     model, optimizers = small_run()
     saver = checkpoint.Saver(Accelerator(cpu=True), in_background=True)
     saver.save(model, optimizers, {"step": 2, "tokens_seen": 0}, tmp_path, keep_last=5)
     slow_writes(monkeypatch, 0.0, OSError(28, "No space left on device"))
     saver.save(model, optimizers, {"step": 4, "tokens_seen": 0}, tmp_path, keep_last=5,
                blocking=False)
-    with pytest.raises(checkpoint.CheckpointWriteError,
-                       match=r"the checkpoint of step 4 failed while it was written in the "
-                             r"background: .*No space left on device"):
+    with pytest.raises(checkpoint.CheckpointWriteError) as error:
         saver.wait()
+    root = tmp_path / "ckpt"
+    assert str(error.value) == (
+        f"the checkpoint of step 4 failed while it was written in the background: rank 0: "
+        f"OSError: [Errno 28] No space left on device; {root}/step_0000004.tmp is incomplete, "
+        f"and the newest complete checkpoint is still {root}/step_0000002; once there is room "
+        f"on the disk mounted at {disk_of(root)}, run the same command: it resumes from there")
     assert checkpoint.complete_checkpoints(tmp_path) == [checkpoint.step_path(tmp_path, 2)]
     assert (tmp_path / "ckpt" / "step_0000004.tmp").is_dir()

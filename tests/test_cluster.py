@@ -411,6 +411,49 @@ def test_a_file_refused_on_one_rank_only_stops_every_rank_with_its_reason(small_
     assert not marker.exists()
 
 
+# train.py's command, where rank 1's disk fills while step 4's checkpoint is written: DCP's
+# writer raises there what a full disk raises.
+FULL_DISK_ON_RANK_1 = """\
+import errno, os, sys
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+import train
+write = FileSystemWriter.write_data
+def full(self, plan, planner):
+    if os.environ["RANK"] == "1" and "step_0000004" in str(self.path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return write(self, plan, planner)
+FileSystemWriter.write_data = full
+train.cli(sys.argv[1:])
+"""
+
+
+@pytest.mark.distributed
+def test_a_disk_full_on_one_rank_only_stops_every_rank_in_one_line(small_data_dir, tmp_path):
+    """Rank 1's disk fills while step 4's checkpoint is written (blocking). DCP's save is
+    collective, so every rank stops; rank 0 prints one line, naming rank 1's error, the step,
+    the disk and the checkpoint the same command resumes from, and a rank exits 2 with no
+    traceback. Step 2's stays the newest complete checkpoint."""
+    from test_checkpoint import disk_of
+    cfg = micro_config(small_data_dir, str(tmp_path / "run"), ckpt_every=2)
+    script = tmp_path / "full_disk.py"
+    script.write_text(FULL_DISK_ON_RANK_1)
+    command = launch_command(cfg, processes=2)
+    command[command.index("train.py")] = str(script)
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    root = checkpoint.ckpt_root(cfg.out_dir)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: the checkpoint of step 4 failed while it was written: rank 1: "
+                      f"OSError: [Errno 28] No space left on device; {root}/step_0000004.tmp "
+                      f"is incomplete, and the newest complete checkpoint is still "
+                      f"{root}/step_0000002; once there is room on the disk mounted at "
+                      f"{disk_of(root)}, run the same command: it resumes from there"], \
+        done.stderr[-3000:]
+    assert "(exitcode: 2)" in done.stderr
+    assert "Traceback" not in done.stderr.split("ChildFailedError")[0].split("failed (exitcode")[0]
+    assert checkpoint.complete_checkpoints(cfg.out_dir) == [root / "step_0000002"]
+
+
 @pytest.mark.distributed
 def test_a_file_damaged_for_one_rank_only_is_skipped_by_every_rank(small_data_dir, tmp_path):
     """Rank 1's RNG file of the newest checkpoint is cut short; rank 0's reads fine. The

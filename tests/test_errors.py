@@ -2,6 +2,7 @@
 run keeps no damage, a signal stops after the step in flight, metrics stay valid JSON."""
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -165,6 +166,56 @@ def test_a_diverging_run_checkpoints_no_damage_and_the_advice_works(small_data_d
     sane = dataclasses.replace(wild, muon_peak_lr=2e-2, adamw_peak_lr=1e-2, grad_clip=1.0)
     metrics = train.main(sane)
     assert math.isfinite(metrics["val_loss"]) and metrics["step"] == 8
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_same_command_resumes(
+        small_data_dir, tmp_path, monkeypatch, capsys):
+    """The disk fills while step 4's checkpoint is written (blocking, the default): one line
+    names the step, the folder left incomplete, the disk, and the checkpoint the same command
+    resumes from; once there is room, that command does, and trains to the end."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from test_checkpoint import disk_of
+    cfg = micro_config(small_data_dir, str(tmp_path / "run"), ckpt_every=2)
+    root, write = tmp_path / "run" / "ckpt", FileSystemWriter.write_data
+
+    def full_at_step_4(self, plan, planner):
+        if "step_0000004" in str(self.path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(self, plan, planner)
+    monkeypatch.setattr(FileSystemWriter, "write_data", full_at_step_4)
+    err = run_cli(cli_args(cfg), capsys)
+    assert err == (f"error: the checkpoint of step 4 failed while it was written: rank 0: "
+                   f"OSError: [Errno 28] No space left on device; {root}/step_0000004.tmp is "
+                   f"incomplete, and the newest complete checkpoint is still "
+                   f"{root}/step_0000002; once there is room on the disk mounted at "
+                   f"{disk_of(root)}, run the same command: it resumes from there")
+    assert [p.name for p in checkpoint.complete_checkpoints(cfg.out_dir)] == ["step_0000002"]
+    monkeypatch.setattr(FileSystemWriter, "write_data", write)  # room again
+    train.cli(cli_args(cfg))
+    assert f"resumed from {root}/step_0000002 at step 2" in capsys.readouterr().out
+    assert [p.name for p in checkpoint.complete_checkpoints(cfg.out_dir)] == \
+        ["step_0000002", "step_0000004", "step_0000006", "step_0000008"]
+    assert not list(root.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("name, flags, where", [
+    ("ckpt", ["--ckpt_async=true"], "where this run keeps its checkpoints (a folder)"),
+    ("ckpt", [], "where this run keeps its checkpoints (a folder)"),
+    ("tb", ["--tensorboard=true"], "where --tensorboard=true writes its folders")])
+def test_a_file_where_a_runs_folder_goes_is_refused_before_the_model_is_built(
+        name, flags, where, small_data_dir, tmp_path, monkeypatch, capsys):
+    """A file of the user's at out_dir/ckpt (checkpoints, blocking or in the background) or
+    out_dir/tb (--tensorboard=true), where the run makes a folder: one line naming it and the
+    fix, before the model is built, and the file is kept as it was."""
+    pytest.importorskip("tensorboard")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / name).write_text("mine")
+    monkeypatch.setattr(train, "build_model", lambda *args: pytest.fail("the model was built"))
+    err = run_cli(cli_args(micro_config(small_data_dir, str(out))) + flags, capsys)
+    assert err == f"error: {out / name} is a file, {where}; move the file elsewhere, or " \
+                  f"choose another --out_dir"
+    assert (out / name).read_text() == "mine"
 
 
 def test_a_signal_stops_after_the_step_in_flight(small_data_dir, tmp_path):

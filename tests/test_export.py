@@ -20,7 +20,7 @@ from conftest import copy_of, micro_config
 from model import KVCache, Transformer, complete
 from test_errors import run_cli
 from test_train import REPO, checkpoint_weights
-from plumbing import log
+from plumbing import checkpoint, log
 
 # Shape knobs the `tiny` preset does not have: a rope_theta no default shares, and NoPE on
 # layer 2 of 2 (tiny's nope_every=4 leaves both layers with RoPE). Neither changes a tensor
@@ -109,12 +109,14 @@ def test_a_model_flag_is_not_an_export_flag(trained, capsys):
     assert not (Path(out) / "export").exists()
 
 
-def test_an_export_again_replaces_its_own_files_and_nothing_a_user_wrote(trained):
+def test_an_export_again_replaces_its_own_files_and_nothing_a_user_wrote(trained, monkeypatch,
+                                                                         capsys):
     """A user's files beside an export (lm-eval's results, a model card, notes) survive a
     second export, byte for byte, while the export's own files are the new checkpoint's
     (the oracle: step 4's weights). An hf export of a shape that needs no modelling file
     removes the one an earlier export wrote. A killed export's scratch folder holding a
-    user's file, and a file where the folder goes, are refused before any work."""
+    user's file, and a file where the folder or the scratch folder goes, are refused before
+    any work (the last in one line, before the weights are read), the file kept."""
     out = Path(trained.out_dir)
     export.main([str(out)])
     export.main([str(out), "--format", "hf"])
@@ -144,6 +146,12 @@ def test_an_export_again_replaces_its_own_files_and_nothing_a_user_wrote(trained
     (out / "export").write_text("a file")
     with pytest.raises(NotADirectoryError, match=r"export is a file, not the folder"):
         export.export(str(out))
+    (out / "export-hf.tmp").write_text("mine")
+    monkeypatch.setattr(checkpoint, "read_model", lambda *args: pytest.fail("weights read"))
+    assert run_cli([str(out), "--format", "hf"], capsys, export.main) == \
+        f"error: {out / 'export-hf.tmp'} is a file, where export.py writes its scratch " \
+        f"folder; move it elsewhere"
+    assert (out / "export-hf.tmp").read_text() == "mine"
 
 
 def test_a_re_prepared_data_dir_cannot_slip_in_another_tokenizer(trained, prepared, capsys):

@@ -6,6 +6,7 @@ import io
 import json
 import re
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -259,18 +260,29 @@ def test_setup_says_what_an_evaluation_reads_and_warns_where_it_costs_most(small
     assert "warning: an evaluation" not in printed
 
 
-def test_tensorboard_holds_every_number_of_the_train_and_eval_records(small_data_dir, tmp_path):
+def test_tensorboard_holds_every_number_of_the_train_and_eval_records(small_data_dir, tmp_path,
+                                                                     monkeypatch):
     """--tensorboard=true: out_dir/tb/ gets one folder per start, and read back with
     tensorboard's own reader it holds each non-null number of metrics.jsonl's train and eval
     records (losses, lrs, tokens/s, TFLOP/s, memory, val losses per source, accuracies), at
     its step, to float32's rounding; MFU, null on a CPU, is absent. A resumed start writes a
-    folder of its own."""
+    folder of its own. Each start's writer is closed when its run returns: the thread that
+    writes its events to disk has written the last and ended (a writer left open may still
+    hold events in its queue, lost when the process exits)."""
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing."
                                             "event_accumulator")
+    from tensorboard.summary.writer.record_writer import RecordWriter
+    write, writers = RecordWriter.write, set()
+
+    def recorded(self, data):  # called on the writer's own thread
+        writers.add(threading.current_thread())
+        return write(self, data)
+    monkeypatch.setattr(RecordWriter, "write", recorded)
     out = tmp_path / "run"
     train.main(micro_config(small_data_dir, str(out), tensorboard=True, stop_at_step=4,
                             downstream="nextline", downstream_items=4))
     train.main(micro_config(small_data_dir, str(out), tensorboard=True))  # resumes at 4
+    assert len(writers) == 2 and not any(thread.is_alive() for thread in writers)
     starts = sorted((out / "tb").iterdir())
     assert [p.name.endswith(f"-step{s}") for p, s in zip(starts, (0, 4))] == [True, True]
     seen = {}
@@ -296,4 +308,4 @@ def test_tensorboard_missing_is_one_line_with_its_install_command(monkeypatch, t
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` fails
     with pytest.raises(ValueError, match=r"needs the tensorboard package: pip install "
                                          r"tensorboard"):
-        log.check_tensorboard()
+        log.check_tensorboard(str(tmp_path))

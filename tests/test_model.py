@@ -103,6 +103,32 @@ def test_the_plain_head_is_cross_entropy_on_the_logits_and_equals_the_chunked_on
                                atol=1e-6)
 
 
+@pytest.mark.parametrize("ce_chunk_size", [0, 7])  # the plain head, the chunked one
+@pytest.mark.parametrize("gain", [1e5, 1e16])
+def test_the_loss_stays_exact_for_logits_far_beyond_exps_range(ce_chunk_size, gain):
+    """Either head, with logits scaled by the final norm's gain to ~1e4 and ~1e15 (exp
+    overflows fp32 past 88): the loss is finite and is the float64 oracle's, CE + z·lse²
+    from torch.logsumexp of the model's own fp32 logits, and every gradient is finite.
+    (Past √(fp32's max) ≈ 1.8e19, lse² itself would overflow.)"""
+    model = small_model(ce_chunk_size=ce_chunk_size)
+    ids, targets = torch.randint(0, 97, (2, 12)), torch.randint(0, 97, (2, 12))
+    targets[1, -4:] = -100
+    with torch.no_grad():
+        model.norm.weight.fill_(gain)
+    loss, ce, z = model(ids, targets=targets)
+    loss.backward()
+    logits = model.logits(ids).flatten(0, 1).double()  # (N, V), fp32 values
+    kept = targets.flatten() != -100
+    lse = logits.logsumexp(-1)[kept]
+    want_ce = (lse - logits[kept].gather(1, targets.flatten()[kept, None]).squeeze(1)).mean()
+    want_z = model.cfg.z_loss * lse.square().mean()
+    assert logits.abs().max() > gain / 10  # far beyond exp's range indeed
+    assert ce.item() == pytest.approx(want_ce.item(), rel=1e-5)
+    assert z.item() == pytest.approx(want_z.item(), rel=1e-5)
+    assert loss.item() == pytest.approx((want_ce + want_z).item(), rel=1e-5)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 def test_the_plain_head_runs_in_the_blocks_precision_and_its_loss_in_fp32():
     """Under bf16 autocast (a CPU or GPU run in bf16) the plain head's matmul runs in bf16,
     as the blocks' do (and nanoGPT's head), and the loss takes its logits in fp32. Oracle:
@@ -634,15 +660,19 @@ def test_flop_counts_match_flop_counter_mode():
 # ---------------------------------------------------------------------------------------
 
 
-def test_kv_cache_generation_equals_greedy_decoding_without_cache():
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+def test_kv_cache_generation_equals_greedy_decoding_without_cache(mode):
+    """Under every activation_recompute mode: the end-of-run sample generates with the
+    blocks the trainer set to recompute. The oracle is greedy decoding by whole forwards,
+    without a cache, of the model before it was set to recompute anything."""
     model = small_model(init_std=0.3)  # at std 0.02 a random model repeats one token
     prompt = torch.randint(0, 97, (2, 5))
-    generated = model.generate(prompt, max_new_tokens=20, temperature=0)
     tokens = prompt
     with torch.no_grad():
         for _ in range(20):
             logits = model.logits(tokens, last_only=True)  # the whole sequence again
             tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    generated = recomputed(model, mode).generate(prompt, max_new_tokens=20, temperature=0)
     assert torch.equal(generated, tokens)
     assert len(set(tokens[0, 5:].tolist())) > 1  # not a degenerate constant sequence
 

@@ -556,6 +556,40 @@ def test_reused_tokenizer_must_exist_and_have_eos(corpus, tmp_path):
         prepare.prepare(str(corpus[0]), str(tmp_path / "o"), tokenizer=str(tmp_path / "plain.json"))
 
 
+def test_reused_tokenizer_may_be_named_by_its_folder(prepared, tmp_path):
+    """A model's folder, as downloaded or tab-completed, stands for the tokenizer.json in it:
+    the one whose bytes the new manifest records."""
+    source = tmp_path / "notes.txt"
+    source.write_text(f"first note\n{EOS_TOKEN}second note\n")
+    manifest = prepare.prepare(str(source), str(tmp_path / "notes"), tokenizer=str(prepared),
+                               val_fraction=0.0)
+    assert manifest["tokenizer"]["sha256"] == hashlib.sha256(
+        (prepared / "tokenizer.json").read_bytes()).hexdigest()
+    assert (tmp_path / "notes" / "tokenizer.json").read_bytes() == \
+        (prepared / "tokenizer.json").read_bytes()
+
+
+def test_a_tokenizer_that_is_no_tokenizer_json_is_one_line(corpus, tmp_path, capsys):
+    """A web page saved as tokenizer.json, JSON of another kind, and a folder without a
+    tokenizer.json: each is refused in one line that names the file and what to do, before
+    any work, and the file is left as it was."""
+    page = tmp_path / "tokenizer.json"
+    page.write_text("<!DOCTYPE html><html><body>Not Found</body></html>\n")
+    other = tmp_path / "config.json"
+    other.write_text('{"model_type": "llama"}')
+    (tmp_path / "model").mkdir()
+    out = tmp_path / "o"
+    line = refusal(capsys, "--source", str(corpus[0]), "--out", str(out), "--tokenizer", str(page))
+    assert f"--tokenizer {page} is not JSON" in line and "resolve/ link" in line
+    line = refusal(capsys, "--source", str(corpus[0]), "--out", str(out), "--tokenizer", str(other))
+    assert f"--tokenizer {other} is JSON but not a tokenizer" in line and "pass a tokenizer.json" \
+        in line
+    line = refusal(capsys, "--source", str(corpus[0]), "--out", str(out), "--tokenizer",
+                   str(tmp_path / "model"))
+    assert f"--tokenizer {tmp_path / 'model'} is a folder without a tokenizer.json" in line
+    assert page.read_text().startswith("<!DOCTYPE html>") and not out.exists()
+
+
 # ---------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------

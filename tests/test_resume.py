@@ -535,3 +535,37 @@ def test_a_kill_during_a_background_save_resumes_bitwise_from_the_one_before(
     train.main(cfg)  # the same command: resumes from step 2
     ours, theirs = every_tensor(ckpt(cfg, 8)), every_tensor(ckpt(blocking, 8))
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_an_error_with_a_save_in_flight_leaves_it_uncounted_and_the_same_command_resumes(
+        async_and_blocking, tmp_path, monkeypatch):
+    """The run stops on an error (a bug in step 5, here) while step 4's checkpoint is still
+    written in the background: it stays step_0000004.tmp, is never counted (no checkpoint
+    record, not resumed from), and the same command resumes from step 2's and ends with the
+    blocking run's final weights and optimizer state, bit for bit."""
+    from test_checkpoint import every_tensor, slow_writes
+    blocking, background = async_and_blocking
+    cfg = dataclasses.replace(background, out_dir=str(tmp_path / "run"))
+    train_step, in_flight = train.train_step, []
+
+    def a_bug_in_step_5(run, stop):
+        if run.step == 4:
+            in_flight.append(run.saver.in_flight.step if run.saver.in_flight else None)
+            raise RuntimeError("a bug in step 5")
+        return train_step(run, stop)
+    monkeypatch.setattr(train, "train_step", a_bug_in_step_5)
+    slow_writes(monkeypatch, 0.5)
+    with pytest.raises(RuntimeError, match="a bug in step 5"):
+        train.main(cfg)
+    assert in_flight == [4]
+    assert [p.name for p in checkpoint.complete_checkpoints(cfg.out_dir)] == ["step_0000002"]
+    assert ckpt(cfg, 4).with_name("step_0000004.tmp").is_dir()
+    assert [r["step"] for r in records(cfg) if r["kind"] == "checkpoint"] == [2]
+    assert [r["outcome"] for r in records(cfg) if r["kind"] == "end"] == ["error"]
+    monkeypatch.undo()
+    train.main(cfg)  # the same command
+    assert [r["resumed_from"] for r in records(cfg) if r["kind"] == "start"] == \
+        [None, str(ckpt(cfg, 2).resolve())]
+    ours, theirs = every_tensor(ckpt(cfg, 8)), every_tensor(ckpt(blocking, 8))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert not list(Path(cfg.out_dir, "ckpt").glob("*.tmp"))
