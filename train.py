@@ -389,8 +389,8 @@ def cli(argv=None):
             user_errors("--debug" in argv, USER_ERRORS, launch.StopFlag.QUIT):
         cfg, args = overrides.parse_args(argv, default_preset=default)
         if args.preset is None and default == "tiny" and is_rank0():
-            print("no CUDA GPU found: running the `tiny` preset on the CPU "
-                  "(pass --preset stack100m to insist)")
+            print("no CUDA GPU found: running the `tiny` preset (pass --preset stack100m to "
+                  "insist)")
         main(cfg, args.force)
 
 

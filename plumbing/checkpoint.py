@@ -295,7 +295,7 @@ class InFlight(NamedTuple):
 # How long a leaving rank waits for a background save to finish, and how long any
 # collective of that save's own gloo group may wait for the other ranks (gloo's default is 30
 # minutes): a rank whose peer died then leaves instead of holding its allocation. Five
-# minutes cover a Stack-100M checkpoint (1.2 GB over all ranks) on a slow shared disk.
+# minutes cover a Stack-100M checkpoint (under 1 GB over all ranks) on a slow shared disk.
 SAVE_WAIT_S = 300
 
 

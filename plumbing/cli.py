@@ -28,6 +28,7 @@ def user_errors(debug: bool, errors: tuple = (ValueError, OSError),
     `interrupted` and exit status 130, the shell's code for SIGINT. Under a launcher only
     rank 0 prints."""
     rank0 = is_rank0()
+    utf8_output()
     try:
         yield
     except NothingToDo as e:
@@ -59,6 +60,15 @@ class ArgumentParser(argparse.ArgumentParser):
         if is_rank0():
             print(f"error: {message}; `{self.prog} --help` lists the flags", file=sys.stderr)
         sys.exit(2)
+
+
+def utf8_output(platform: str = sys.platform):
+    """The commands print UTF-8 (×, →, –) on every OS: Windows writes a pipe or a file in its
+    ANSI code page, which has no → and would end a run in a UnicodeEncodeError."""
+    if platform == "win32":
+        for stream in (sys.stdout, sys.stderr):
+            if hasattr(stream, "reconfigure"):  # a real text stream, not a test's capture
+                stream.reconfigure(encoding="utf-8")
 
 
 def at_least(minimum: int):

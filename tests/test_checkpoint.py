@@ -4,7 +4,10 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
+from concurrent.futures import Future
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +18,8 @@ import config
 import optim
 from model import Transformer
 from plumbing import checkpoint, launch, overrides
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def small_run():
@@ -247,3 +252,79 @@ def test_a_background_write_that_fails_stops_the_run_naming_its_step(tmp_path, m
         f"on the disk mounted at {disk_of(root)}, run the same command: it resumes from there")
     assert checkpoint.complete_checkpoints(tmp_path) == [checkpoint.step_path(tmp_path, 2)]
     assert (tmp_path / "ckpt" / "step_0000004.tmp").is_dir()
+
+
+def never_done(tmp_path, step=7) -> checkpoint.InFlight:
+    """A background save whose write never finishes: a peer that died holds it."""
+    tmp = checkpoint.step_path(tmp_path, step).with_name(f"step_{step:07d}.tmp")
+    return checkpoint.InFlight(Future(), step, tmp, (tmp_path, 5, ()), time.perf_counter(), 0.0)
+
+
+def test_a_rank_leaving_on_an_error_waits_for_a_background_save_at_most_save_wait_s(
+        tmp_path, monkeypatch, capsys):
+    """A background save that never finishes does not hold a rank leaving on an error: it
+    waits SAVE_WAIT_S, says which save it left incomplete, and the error goes on."""
+    monkeypatch.setattr(checkpoint, "SAVE_WAIT_S", 0.5)
+    saver = checkpoint.Saver(Accelerator(cpu=True), in_background=True)
+    saver.in_flight = never_done(tmp_path)
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match="a divergence"):
+        with saver:
+            raise RuntimeError("a divergence")
+    assert 0.5 <= time.perf_counter() - started < 5
+    assert capsys.readouterr().err == (
+        f"checkpoint: the background save of step 7 did not finish within 0.5 s; leaving it "
+        f"incomplete ({saver.in_flight.tmp})\n")
+
+
+def test_waiting_for_a_background_save_that_never_finishes_is_a_write_error(tmp_path,
+                                                                            monkeypatch):
+    monkeypatch.setattr(checkpoint, "SAVE_WAIT_S", 0.5)
+    saver = checkpoint.Saver(Accelerator(cpu=True), in_background=True)
+    saver.in_flight = never_done(tmp_path)
+    with pytest.raises(checkpoint.CheckpointWriteError,
+                       match="failed while it was written in the background: TimeoutError: not "
+                             "done within 0.5 s"):
+        saver.wait()
+
+
+# Two gloo ranks: rank 1 lives on but never comes to the save group's collective (a peer
+# stuck elsewhere, or on a node that died); rank 0 must be let go within SAVE_WAIT_S.
+STRAGGLER = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {repo!r})
+import torch, torch.distributed as dist
+from accelerate import Accelerator
+from plumbing import checkpoint, launch
+checkpoint.SAVE_WAIT_S = 2
+accelerator = Accelerator(cpu=True)
+saver = checkpoint.Saver(accelerator, in_background=True)
+said = Path({said!r})
+if accelerator.process_index == 1:
+    deadline = time.time() + 90
+    while not said.exists() and time.time() < deadline:
+        time.sleep(0.1)
+else:
+    started = time.perf_counter()
+    try:
+        dist.all_reduce(torch.ones(1), group=saver.group)
+        outcome = "returned"
+    except RuntimeError:
+        outcome = "raised"
+    said.write_text(f"{{outcome}} {{time.perf_counter() - started:.1f}}")
+launch.leave_process_group(cleanly=True)
+"""
+
+
+def test_the_background_saves_collectives_give_up_on_a_rank_that_never_comes(tmp_path):
+    script = tmp_path / "straggler.py"
+    script.write_text(STRAGGLER.format(repo=str(REPO), said=str(tmp_path / "said")))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run",
+                             "--nproc_per_node=2", "--rdzv-backend=c10d",
+                             "--rdzv-endpoint=localhost:0", str(script)],
+                            env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome, seconds = (tmp_path / "said").read_text().split()
+    assert outcome == "raised" and float(seconds) < 2 + 20  # not rank 1's 90 s, nor 30 min

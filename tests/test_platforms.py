@@ -3,7 +3,9 @@ the suite, so the others are faked here: the device torch reports, the platform'
 Unix-only modules gone. What each fake checks is the choice the code makes, and the line a
 user reads."""
 
+import ast
 import dataclasses
+import io
 import subprocess
 import sys
 import types
@@ -15,7 +17,7 @@ import torch
 import config
 import model
 import sample
-from plumbing import launch, log
+from plumbing import cli, launch, log
 from tests.test_errors import run_cli
 
 REPO = Path(__file__).resolve().parent.parent
@@ -150,3 +152,42 @@ def test_the_outcome_file_is_replaced_where_rename_will_not_overwrite(monkeypatc
     launch.record_outcome("stopped", 3, is_local_main=True)
     launch.record_outcome("finished", 8, is_local_main=True)
     assert (tmp_path / "outcome").read_text() == "finished 8\n"
+
+
+def test_on_windows_the_commands_print_utf8_whatever_the_code_page(monkeypatch):
+    """Windows writes a pipe or a file in its ANSI code page (cp1252 in the West), which has
+    no → (the banner's sample line): printed as is, a run would end in a UnicodeEncodeError."""
+    pipe = io.BytesIO()
+    stdout = io.TextIOWrapper(pipe, encoding="cp1252")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    cli.utf8_output("win32")
+    print("sample ('def ' →): 16 × 256")
+    stdout.flush()
+    assert pipe.getvalue().decode("utf-8") == "sample ('def ' →): 16 × 256\n"
+
+
+def unencoded_text_io(path: Path) -> list[str]:
+    """The calls in `path` that read or write text without naming its encoding: read_text,
+    write_text, and open or Path.open in a text mode."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.Call):
+            continue
+        name = getattr(node.func, "attr", getattr(node.func, "id", None))
+        keywords = {k.arg: k.value for k in node.keywords}
+        if name == "open":
+            arguments = node.args[1:2] if isinstance(node.func, ast.Name) else node.args[:1]
+            mode = keywords.get("mode", arguments[0] if arguments else None)
+            binary = isinstance(mode, ast.Constant) and "b" in str(mode.value)
+        if (name in ("read_text", "write_text") or name == "open" and not binary) \
+                and "encoding" not in keywords:
+            found.append(f"{path.relative_to(REPO)}:{node.lineno} {name}")
+    return found
+
+
+def test_every_text_file_is_read_and_written_as_utf8():
+    """Windows reads and writes text in its ANSI code page unless told otherwise: a
+    tokenizer_config.json, a model's config.json or report.md with a character past ASCII
+    would be garbled or refused. Every text file stacklm touches names UTF-8."""
+    files = [*REPO.glob("*.py"), *(REPO / "plumbing").glob("*.py"), *(REPO / "bench").glob("*.py")]
+    assert [call for path in sorted(files) for call in unencoded_text_io(path)] == []
