@@ -82,7 +82,7 @@ def model_shape(folder) -> dict:
     architecture = (config.get("architectures") or [None])[0]
     if architecture not in FAMILIES:
         raise ValueError(f"{path}: architectures {config.get('architectures')} is not one whose "
-                         f"blocks stacklm's are ({', '.join(FAMILIES)})")
+                         f"blocks stacklm's are ({', '.join(FAMILIES)}); {ELSEWHERE}")
     qk_norm, nope_layers, default_theta = FAMILIES[architecture]
     refuse_what_stacklm_cannot_express(config, path)
     check_fields(config, path)
@@ -98,6 +98,12 @@ def model_shape(folder) -> dict:
             "qk_norm": qk_norm, "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
             "head_dim": None if head_dim * heads == width else head_dim,
             "nope_every": nope_every(config, path) if nope_layers else 0}
+
+
+# What a user can do with a model stacklm's blocks cannot hold.
+ELSEWHERE = ("continue a model of those families with tied embeddings, plain RoPE, no biases, "
+             "SwiGLU and full attention (SmolLM2, or a SmolLM3 or Qwen3 of that kind), or train "
+             "this shape from scratch: drop --init_from and set --model.* flags")
 
 
 def refuse_what_stacklm_cannot_express(config: dict, path: Path):
@@ -124,7 +130,7 @@ def refuse_what_stacklm_cannot_express(config: dict, path: Path):
         if refused:
             value = config.get(field) if "." not in field else rope.get("rope_type")
             raise ValueError(f"{path}: {field}={json.dumps(value)}: {why}, so this model cannot "
-                             f"be continued here")
+                             f"be continued here; {ELSEWHERE}")
 
 
 def check_fields(config: dict, path: Path):
@@ -165,7 +171,7 @@ def nope_every(config: dict, path: Path) -> int:
         if rotates == no_rope_layers(len(rotates), every):
             return every
     raise ValueError(f"{path}: no_rope_layers={rotates} is not every N-th layer without RoPE, "
-                     f"the only pattern model.nope_every expresses")
+                     f"the only pattern model.nope_every expresses; {ELSEWHERE}")
 
 
 def no_rope_layers(n_layers: int, nope_every: int) -> list[int]:

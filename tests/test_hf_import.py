@@ -172,8 +172,11 @@ def test_what_stacklm_cannot_express_is_refused_in_one_line(family, change, mess
     public_model(tmp_path, family)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(config | change))
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")) as e:
         hf_import.model_shape(tmp_path)
+    # nothing in stacklm can fix it: the line says what the user can do instead
+    assert str(e.value).endswith("; " + hf_import.ELSEWHERE)
+    assert "drop --init_from and set --model.* flags" in hf_import.ELSEWHERE
 
 
 def test_other_architectures_pickles_and_missing_weights_are_refused(tmp_path):
