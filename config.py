@@ -244,6 +244,11 @@ class TrainConfig:
                              f"--betas=0.9,0.95 (AdamW's beta1, beta2)")
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ValueError(f"muon_momentum={self.muon_momentum} must be within [0, 1)")
+        if self.seq_len > self.model.max_seq_len and self.init_from:  # its config.json's
+            raise ValueError(f"seq_len={self.seq_len} exceeds max_position_embeddings="
+                             f"{self.model.max_seq_len} of {self.init_from}/config.json, the "
+                             f"longest sequence that model takes; pass --seq_len="
+                             f"{self.model.max_seq_len} or less")
         if self.seq_len > self.model.max_seq_len:
             raise ValueError(f"seq_len={self.seq_len} exceeds model.max_seq_len="
                              f"{self.model.max_seq_len}; lower seq_len or raise max_seq_len")

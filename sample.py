@@ -3,14 +3,17 @@
     python sample.py --export out/tiny/export --prompt "def " --max_new_tokens 64 \\
         --temperature 0.8 --top_k 50 --num_samples 2 --seed 1337
 
-The export directory (written by `python export.py OUT_DIR`) holds model.pt (a Transformer
-state_dict), config.json (the StackConfig), tokenizer.json with tokenizer_config.json (its
-end-of-text token, which opens a completion as it opened each training document) and
-provenance.json (where it came from; sample.py does not need it). A missing or
-damaged export is one line on stderr and exit status 2; --debug shows the traceback.
+The export directory (written by `python export.py OUT_DIR`) holds the files sample.py
+reads: model.pt (a Transformer state_dict), config.json (the StackConfig), tokenizer.json,
+and tokenizer_config.json, whose eos_token is the end-of-text token that opened each
+training document, and opens a completion too. (An export without tokenizer_config.json,
+from before export.py wrote it, is read with <|endoftext|>; a public model's tokenizer
+without that token needs the file.) It also holds provenance.json, where it came from,
+which sample.py does not read. A missing or damaged export is one line on stderr and exit
+status 2; --debug shows the traceback.
 
-Imports from stacklm: cli, config, launch (the devices), model and prepare (the tokenizer's end-of-text token, by
-its rule).
+Imports from stacklm: cli, config, data (the end-of-text token of stacklm's own tokenizers),
+launch (the devices) and model.
 """
 
 import argparse
@@ -23,12 +26,13 @@ import torch
 from tokenizers import Tokenizer
 
 from config import StackConfig
+from data import EOS_TOKEN
 from model import TEMPERATURE, TOP_K, Transformer, complete
 from plumbing.cli import ArgumentParser, user_errors
 from plumbing.launch import DEVICES
-from prepare import separator_token
 
-# What sampling needs of an export (export.py also writes provenance.json, for people).
+# What sampling needs of every export; tokenizer_config.json is read where it is there
+# (end_of_text). export.py also writes provenance.json, for people.
 EXPORT_FILES = ("model.pt", "config.json", "tokenizer.json")
 
 
@@ -73,8 +77,29 @@ def load_export(export_dir: str, device: str = "cpu") -> tuple[Transformer, Toke
     except Exception as e:  # tokenizers raises a bare Exception for a malformed file
         raise ValueError(f"{export / 'tokenizer.json'} is not a tokenizer ({e}); "
                          f"{how_to_export(export)}") from e
-    eos_id = tokenizer.token_to_id(separator_token(export / "tokenizer.json", tokenizer))
-    return model.to(device).eval(), tokenizer, eos_id
+    return model.to(device).eval(), tokenizer, end_of_text(export, tokenizer)
+
+
+def end_of_text(export: Path, tokenizer: Tokenizer) -> int:
+    """The id of the token that opened each training document: the eos_token of the
+    export's tokenizer_config.json; without that file, EOS_TOKEN, where the tokenizer has
+    it."""
+    path = export / "tokenizer_config.json"
+    try:
+        token = json.loads(path.read_text())["eos_token"] if path.is_file() else EOS_TOKEN
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} names no eos_token ({type(e).__name__}: {e}); "
+                         f"{how_to_export(export)}") from None
+    token = token.get("content") if isinstance(token, dict) else token  # transformers' form
+    eos_id = tokenizer.token_to_id(token) if isinstance(token, str) else None
+    if eos_id is None and path.is_file():
+        raise ValueError(f"{path}: eos_token {token!r} is not a token of "
+                         f"{export / 'tokenizer.json'}; {how_to_export(export)}")
+    if eos_id is None:
+        raise FileNotFoundError(f"--export {export} has no tokenizer_config.json, which names "
+                                f"the end-of-text token of a tokenizer without {EOS_TOKEN!r}, "
+                                f"as a public model's; {how_to_export(export)}")
+    return eos_id
 
 
 def checked_device(name: str) -> str:

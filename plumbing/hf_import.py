@@ -11,15 +11,19 @@ The families whose blocks are stacklm's blocks, and what each sets in StackConfi
 
 `model_shape` maps config.json onto StackConfig's fields, and refuses in one line, naming the
 field and its value, what StackConfig cannot express: untied embeddings, RoPE scaling,
-biases, sliding windows, another activation, NoPE layers that are not every N-th.
-`read_weights` reads the weights with the safetensors library (nothing is unpickled; a
-folder of pickles is refused with the command that converts it) as fp32 master weights,
+biases, sliding windows, another activation, NoPE layers that are not every N-th; and a
+config.json cut off, or lacking a field the shape needs. `check_weights` reads the
+safetensors headers alone, before any work: a file cut short, a shard the index names but
+the folder lacks, a weight missing or of another shape than config.json's is refused (the
+fix for a damaged download: download it again). Every one of the model's tensors must be
+found, with its shape: a missing one is an error, never left at its initial value.
+`read_weights` then reads the weights with the safetensors library (nothing is unpickled;
+a folder of pickles is refused with the command that converts it) as fp32 master weights,
 whatever dtype the download holds; resume.py puts them into a fresh run's model (sharded
-or not). Every one of the model's tensors must be found once, with its shape: a missing
-one is an error, never left at its initial value. transformers rotates the
-two halves of each head (`rotate_half`), as model.apply_rope does, so the weights need no
-q/k permutation; nor are there RoPE buffers to load: model.py computes the rotation from
-the positions. tests/test_hf_import.py checks the logits against transformers' own.
+or not). transformers rotates the two halves of each head (`rotate_half`), as
+model.apply_rope does, so the weights need no q/k permutation; nor are there RoPE buffers
+to load: model.py computes the rotation from the positions. tests/test_hf_import.py checks
+the logits against transformers' own.
 
 Imports from stacklm: model (the names and shapes of a model's weights) and shards (a
 prepared folder's manifest).
@@ -45,15 +49,27 @@ FAMILIES = {"LlamaForCausalLM": (False, False, 10_000.0),
 BLOCK_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm",
                "self_attn": "attn", "mlp": "mlp"}
 
+# config.json's fields the shape is read from that have no default: every transformers
+# config of these families writes them
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "intermediate_size", "max_position_embeddings")
+DOWNLOAD_AGAIN = "download it again"  # the fix for a file a download cut short or damaged
+
 
 def read_config(folder) -> dict:
     path = Path(folder) / "config.json"
+    if Path(folder).is_file():  # tab completion's config.json, say
+        raise NotADirectoryError(f"init_from={folder} is a file; pass the folder that holds "
+                                 f"it: --init_from={Path(folder).parent}")
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"init_from={folder}: no config.json there; point it at a "
                                 f"transformers folder (config.json and *.safetensors)") from None
-    except (OSError, ValueError) as e:
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise ValueError(f"{path} is not JSON ({e}): cut off or damaged; "
+                         f"{DOWNLOAD_AGAIN}") from None
+    except OSError as e:
         raise ValueError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path} is not a transformers config (a JSON object)")
@@ -66,9 +82,10 @@ def model_shape(folder) -> dict:
     architecture = (config.get("architectures") or [None])[0]
     if architecture not in FAMILIES:
         raise ValueError(f"{path}: architectures {config.get('architectures')} is not one whose "
-                         f"blocks stacklm's are ({', '.join(FAMILIES)})")
+                         f"blocks stacklm's are ({', '.join(FAMILIES)}); {ELSEWHERE}")
     qk_norm, nope_layers, default_theta = FAMILIES[architecture]
     refuse_what_stacklm_cannot_express(config, path)
+    check_fields(config, path)
     width, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or width // heads
     rope = config.get("rope_parameters") or {}
@@ -81,6 +98,12 @@ def model_shape(folder) -> dict:
             "qk_norm": qk_norm, "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
             "head_dim": None if head_dim * heads == width else head_dim,
             "nope_every": nope_every(config, path) if nope_layers else 0}
+
+
+# What a user can do with a model stacklm's blocks cannot hold.
+ELSEWHERE = ("continue a model of those families with tied embeddings, plain RoPE, no biases, "
+             "SwiGLU and full attention (SmolLM2, or a SmolLM3 or Qwen3 of that kind), or train "
+             "this shape from scratch: drop --init_from and set --model.* flags")
 
 
 def refuse_what_stacklm_cannot_express(config: dict, path: Path):
@@ -107,7 +130,37 @@ def refuse_what_stacklm_cannot_express(config: dict, path: Path):
         if refused:
             value = config.get(field) if "." not in field else rope.get("rope_type")
             raise ValueError(f"{path}: {field}={json.dumps(value)}: {why}, so this model cannot "
-                             f"be continued here")
+                             f"be continued here; {ELSEWHERE}")
+
+
+def check_fields(config: dict, path: Path):
+    """The fields the shape is read from, each a positive whole number, and heads attention
+    can use: in one line naming config.json and the field, not the model knob it sets (the
+    user gave none). A field missing or wrong is a damaged file, not a model to continue."""
+    for field in (*SHAPE_FIELDS, "num_key_value_heads", "head_dim"):
+        value = config.get(field)
+        if value is None and field in SHAPE_FIELDS:
+            raise ValueError(f"{path} has no {field}, which the model's shape is read from; "
+                             f"{DOWNLOAD_AGAIN}")
+        if value is not None and (type(value) is not int or value <= 0):
+            raise ValueError(f"{path}: {field}={json.dumps(value)} is not a positive whole "
+                             f"number; {DOWNLOAD_AGAIN}")
+    width, heads = config["hidden_size"], config["num_attention_heads"]
+    kv_heads, head_dim = config.get("num_key_value_heads") or heads, config.get("head_dim")
+    if heads % kv_heads:
+        raise ValueError(f"{path}: num_key_value_heads={kv_heads} does not divide "
+                         f"num_attention_heads={heads}, as grouped-query attention needs; "
+                         f"{DOWNLOAD_AGAIN}")
+    if head_dim is None and width % heads:
+        raise ValueError(f"{path}: hidden_size={width} is not divisible by "
+                         f"num_attention_heads={heads}, and no head_dim says each head's "
+                         f"width; {DOWNLOAD_AGAIN}")
+    if (head_dim or width // heads) % 2:
+        said = f"head_dim={head_dim}" if head_dim else \
+            f"each head's width, hidden_size / num_attention_heads = {width // heads},"
+        raise ValueError(f"{path}: {said} is odd, but RoPE rotates a head's dimensions in "
+                         f"pairs, so no model of these families has such heads; "
+                         f"{DOWNLOAD_AGAIN}")
 
 
 def nope_every(config: dict, path: Path) -> int:
@@ -118,7 +171,7 @@ def nope_every(config: dict, path: Path) -> int:
         if rotates == no_rope_layers(len(rotates), every):
             return every
     raise ValueError(f"{path}: no_rope_layers={rotates} is not every N-th layer without RoPE, "
-                     f"the only pattern model.nope_every expresses")
+                     f"the only pattern model.nope_every expresses; {ELSEWHERE}")
 
 
 def no_rope_layers(n_layers: int, nope_every: int) -> list[int]:
@@ -137,18 +190,26 @@ def check_shape(cfg):
 
 
 def check_tokenizer(cfg, source: str):
-    """The data was prepared with the model's own tokenizer (the same file, by sha256)."""
+    """The data was prepared with the model's own tokenizer (the same file, by sha256), whose
+    ids the model's vocabulary holds. Checked before the data's vocabulary is compared with
+    the model's, whose fix (a model knob) --init_from refuses."""
     tokenizer = Path(cfg.init_from) / "tokenizer.json"
     if not tokenizer.is_file():
         raise FileNotFoundError(f"init_from={cfg.init_from} holds no tokenizer.json, so nothing "
                                 f"says its data is tokenized as the model was; add the model's "
                                 f"tokenizer.json there")
     ours = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
-    if shards.load_manifest(source)["tokenizer"]["sha256"] != ours:
+    manifest = shards.load_manifest(source)
+    if manifest["tokenizer"]["sha256"] != ours:
         raise ValueError(f"{source} was prepared with another tokenizer than {tokenizer}, so its "
                          f"token ids mean other words to this model; prepare it with the "
                          f"model's: python prepare.py --source CORPUS --tokenizer {tokenizer} "
                          f"--data_dir DIR")
+    if manifest["vocab_size"] > cfg.model.vocab_size:
+        raise ValueError(f"{cfg.init_from}/config.json: vocab_size={cfg.model.vocab_size:,} is "
+                         f"below its own tokenizer.json's {manifest['vocab_size']:,} ids, so "
+                         f"some of its tokens have no embedding: the folder's files disagree; "
+                         f"{DOWNLOAD_AGAIN}")
 
 
 def weight_files(folder) -> list[Path]:
@@ -157,7 +218,17 @@ def weight_files(folder) -> list[Path]:
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            names = sorted({str(name) for name in json.loads(index.read_text())["weight_map"]
+                            .values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is not an index of safetensors files ({type(e).__name__}: "
+                             f"{e}); {DOWNLOAD_AGAIN}") from None
+        missing = [name for name in names if not (folder / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names {missing[0]}, which is not there "
+                                    f"({len(missing)} of its {len(names)} files missing); "
+                                    f"{DOWNLOAD_AGAIN}")
         return [folder / name for name in names]
     if (folder / "model.safetensors").is_file():
         return [folder / "model.safetensors"]
@@ -167,7 +238,8 @@ def weight_files(folder) -> list[Path]:
                          f"transformers: python -c \"from transformers import "
                          f"AutoModelForCausalLM as M; M.from_pretrained('{folder}')"
                          f".save_pretrained('{folder}-safetensors')\"")
-    raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json, "
+                            f"so no weights; {DOWNLOAD_AGAIN}, its *.safetensors with it")
 
 
 def stacklm_name(name: str) -> str | None:
@@ -196,29 +268,79 @@ def hf_name(name: str) -> str:
     return ".".join(["model", "layers", parts[1], module, *parts[3:]])
 
 
+def read_header(path: Path) -> dict[str, tuple]:
+    """Each tensor's shape in a safetensors file, from its header alone: 8 bytes (the
+    header's length, little-endian), the header (JSON: each tensor's dtype, shape and byte
+    range), then the tensors' bytes, to the file's end. A file cut short, as an interrupted
+    download leaves it, is refused here, before any work, not where its tensors are read."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        text = f.read(min(length, size))
+    try:
+        header = json.loads(text)
+        header.pop("__metadata__", None)
+        shapes = {name: tuple(entry["shape"]) for name, entry in header.items()}
+        end = 8 + length + max((entry["data_offsets"][1] for entry in header.values()),
+                               default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        raise ValueError(f"{path} has no safetensors header that reads: not a safetensors "
+                         f"file, or cut short; {DOWNLOAD_AGAIN}") from None
+    if end != size:
+        raise ValueError(f"{path} is cut short: {size:,} bytes, where its header describes "
+                         f"{end:,}; {DOWNLOAD_AGAIN}")
+    return shapes
+
+
+def check_weights(folder, model_cfg):
+    """From the safetensors headers alone (no tensor read): each weight of a model of
+    `model_cfg` (config.json's shape) is in `folder`, with its shape, and nothing else is.
+    A missing one is an error, never left at its initial value."""
+    with torch.device("meta"):  # the names and shapes alone
+        wanted = {name: tuple(p.shape) for name, p in Transformer(model_cfg).named_parameters()}
+    found = set()
+    for path in weight_files(folder):
+        for name, shape in read_header(path).items():
+            ours = stacklm_name(name)
+            if ours is None:
+                continue
+            if ours not in wanted:
+                raise ValueError(f"{path}: weight {name} has no place in a stacklm model of "
+                                 f"this config.json's shape; {DOWNLOAD_AGAIN}")
+            if shape != wanted[ours]:
+                raise ValueError(f"{path}: weight {name} is {shape}, where config.json's "
+                                 f"{shaped_by(ours, model_cfg)} make it {wanted[ours]}: "
+                                 f"the weights are not this config.json's; {DOWNLOAD_AGAIN}")
+            found.add(ours)
+    missing = [hf_name(name) for name in wanted if name not in found]
+    if missing:
+        raise ValueError(f"{folder}: no weight {missing[0]} ({len(missing)} missing in all); "
+                         f"is its config.json the one of these weights? {DOWNLOAD_AGAIN}")
+
+
+def shaped_by(name: str, cfg) -> str:
+    """The config.json fields whose values make the shape of weight `name` (stacklm's)."""
+    head = f"head_dim {cfg.head_size}" if cfg.head_dim else \
+        f"head_dim {cfg.head_size} (= hidden_size / num_attention_heads)"
+    hidden = f"hidden_size {cfg.d_model}"
+    heads = f"num_attention_heads {cfg.n_heads} × {head}, {hidden}"
+    kv_heads = f"num_key_value_heads {cfg.n_kv_heads} × {head}, {hidden}"
+    mlp = f"intermediate_size {cfg.intermediate}, {hidden}"
+    return {"embed": f"vocab_size {cfg.vocab_size}, {hidden}", "q_proj": heads,
+            "o_proj": heads, "k_proj": kv_heads, "v_proj": kv_heads, "q_norm": head,
+            "k_norm": head, "gate_proj": mlp, "up_proj": mlp,
+            "down_proj": mlp}.get(name.split(".")[-2], hidden)
+
+
 def read_weights(folder, model_cfg) -> dict[str, torch.Tensor]:
     """The weights of `folder` by stacklm's names, as fp32 tensors (the model's master weights,
-    whatever dtype the download holds), each of a model of `model_cfg` found once, with its
-    shape: a missing one is an error, never left at its initial value."""
-    with torch.device("meta"):  # the names and shapes alone
-        wanted = {name: p.shape for name, p in Transformer(model_cfg).named_parameters()}
+    whatever dtype the download holds), after `check_weights`."""
+    check_weights(folder, model_cfg)
     weights = {}
     for path in weight_files(folder):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 ours = stacklm_name(name)
-                if ours is None:
-                    continue
-                if ours not in wanted:
-                    raise ValueError(f"{path}: weight {name} has no place in a stacklm model of "
-                                     f"this config.json's shape")
-                tensor = f.get_tensor(name)
-                if tensor.shape != wanted[ours]:
-                    raise ValueError(f"{path}: weight {name} is {tuple(tensor.shape)}, where "
-                                     f"config.json's shape needs {tuple(wanted[ours])}")
-                weights[ours] = tensor.float()
-    missing = [hf_name(name) for name in wanted if name not in weights]
-    if missing:
-        raise ValueError(f"{folder}: no weight {missing[0]} ({len(missing)} missing in all); "
-                         f"is its config.json the one of these weights?")
+                if ours is not None:
+                    weights[ours] = f.get_tensor(name).float()
     return weights

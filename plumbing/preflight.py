@@ -1,10 +1,11 @@
 """Preflight: everything a run checks before any work, and the facts its banner prints.
 
 `check` refuses, in one line each, what would fail later or waste the machine: a plan past
-a CPU's RAM, missing or mismatched data, a bad downstream task file, a plan that reads a
-source more often than --max_epochs allows. (The launch config is checked earlier, before
-accelerate reads it: launch.check_launch.) It prepares the built-in corpus where a run
-needs it and it is missing. What it learns on the way (the data stages, each source's
+a CPU's RAM, missing or mismatched data, a public model's folder (--init_from) whose files
+cannot start a run, a bad downstream task file, a plan that reads a source more often than
+--max_epochs allows. (The launch config is checked earlier, before accelerate reads it:
+launch.check_launch.) It prepares the built-in corpus where a run needs it and it is
+missing. What it learns on the way (the data stages, each source's
 manifest, the tasks, the data plan, what an evaluation reads, the hardware) is what the
 banner and metrics.jsonl's start record say; the warnings it collects are printed after
 the banner.
@@ -39,8 +40,9 @@ def check(cfg, accelerator, force: bool) -> Plan:
     `force` (--force) starts a plan past a CPU's RAM anyway."""
     if cfg.tensorboard:
         log.check_tensorboard(cfg.out_dir)
-    if cfg.init_from:  # a public model's weights: its shape, and later its tokenizer
+    if cfg.init_from:  # a public model's files: its shape and weights; later its tokenizer
         hf_import.check_shape(cfg)
+        hf_import.check_weights(cfg.init_from, cfg.model)
     in_use, why = launch.precision(cfg)
     warnings = launch.precision_warnings(os.environ, in_use)
     # FSDP2 when the launch config asks for it, on any device: train.py shards the model
@@ -53,9 +55,9 @@ def check(cfg, accelerator, force: bool) -> Plan:
     with accelerator.main_process_first():  # rank 0 prepares the built-in corpus if missing
         if accelerator.is_main_process:
             prepare.ensure_builtin(sources + downstream.corpora(cfg), cfg.model.vocab_size)
-    manifests = shards.check_sources(sources, cfg.model.vocab_size)
-    if cfg.init_from:  # the data speaks the model's vocabulary (one tokenizer: checked above)
+    if cfg.init_from:  # the data speaks the model's vocabulary (one tokenizer: checked below)
         hf_import.check_tokenizer(cfg, sources[0])
+    manifests = shards.check_sources(sources, cfg.model.vocab_size)
     tasks = downstream.load_tasks(cfg, sources[0], accelerator.num_processes)
     eval_sources = data.val_shares(stages, manifests)  # sources with a val split, by weight
     data_plan = config.data_plan(cfg, stages, {d: data.windows_per_epoch(m, "train", cfg.seq_len)

@@ -3,11 +3,14 @@ transformers itself (a test-only dependency): for each family, a small random mo
 from its own config class and saved by save_pretrained gives stacklm's fp32 logits equal to
 transformers' to 1e-5, and its first cross-entropy equals transformers' loss; a run started
 from it, trained and exported, loads back as the class it came from with the trained
-logits. Plus what cannot be imported, each refused in one line."""
+logits. Plus what cannot be imported, each refused in one line, and a folder that cannot
+start a run (a damaged download, data of another vocabulary), refused before any work; and
+a run on a public tokenizer's data exports the end-of-text token sample.py needs."""
 
 import dataclasses
 import json
 import shutil
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -17,12 +20,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import export
 import prepare
+import sample
 import train
 from config import StackConfig
 from conftest import micro_config
 from model import Transformer
 from plumbing import hf_import, overrides
 from public_model import public_model as make_public_model
+from test_train import cli_args
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -167,8 +172,11 @@ def test_what_stacklm_cannot_express_is_refused_in_one_line(family, change, mess
     public_model(tmp_path, family)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(config | change))
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")) as e:
         hf_import.model_shape(tmp_path)
+    # nothing in stacklm can fix it: the line says what the user can do instead
+    assert str(e.value).endswith("; " + hf_import.ELSEWHERE)
+    assert "drop --init_from and set --model.* flags" in hf_import.ELSEWHERE
 
 
 def test_other_architectures_pickles_and_missing_weights_are_refused(tmp_path):
@@ -213,14 +221,122 @@ def test_a_model_flag_that_disagrees_and_data_of_another_tokenizer_are_refused(
         train.main(cfg)
 
 
-def byte_level_tokenizer(folder: Path, special: str) -> Path:
-    """A small byte-level BPE whose only special token is `special`, as a public model's
-    tokenizer.json with its tokenizer_config.json naming it (Llama 3's way)."""
+@pytest.fixture(scope="module")
+def good_public(small_data_dir, tmp_path_factory) -> Path:
+    """A public Llama folder whose tokenizer is small_data_dir's: a run can start from it."""
+    folder = tmp_path_factory.mktemp("good") / "public"
+    public_model(folder, "llama", Path(small_data_dir) / "tokenizer.json")
+    return folder
+
+
+def edit_config(folder: Path, drop: str | None = None, **changes):
+    config = json.loads((folder / "config.json").read_text()) | changes
+    config.pop(drop, None)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def cut_in_half(name: str):
+    """The file's first half, as an interrupted download leaves it."""
+    def damage(folder: Path, tokenizer: Path):
+        payload = (folder / name).read_bytes()
+        (folder / name).write_bytes(payload[:len(payload) // 2])
+    return damage
+
+
+def index_naming_a_missing_shard(folder: Path, tokenizer: Path):
+    names = list(load_file(folder / "model.safetensors"))
+    weight_map = {name: "model.safetensors" for name in names} | \
+        {names[-1]: "model-00002-of-00002.safetensors"}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def smaller_vocabulary(data_tokenizer: bool):
+    """A model of 300 ids whose tokenizer.json is the data's (512 ids: the folder disagrees
+    with itself), or another (300 ids: the data is not the model's)."""
+    def damage(folder: Path, tokenizer: Path):
+        shutil.rmtree(folder)
+        if not data_tokenizer:
+            tokenizer = byte_level_tokenizer(folder.parent / "other", "</s>")
+        public_model(folder, "llama", tokenizer, vocab_size=300)
+    return damage
+
+
+# what makes a public folder unfit to start a run: (damage, the --init_from given, more flags,
+# what the one line must say)
+UNFIT = {
+    "config.json cut off": (cut_in_half("config.json"), None, [],
+                            ["config.json is not JSON", "download it again"]),
+    "config.json without hidden_size": (lambda f, t: edit_config(f, drop="hidden_size"), None,
+                                        [], ["config.json has no hidden_size",
+                                             "download it again"]),
+    "weights cut in half": (cut_in_half("model.safetensors"), None, [],
+                            ["model.safetensors is cut short", "download it again"]),
+    "no weights": (lambda f, t: (f / "model.safetensors").unlink(), None, [],
+                   ["no model.safetensors", "download it again"]),
+    "an index naming a missing shard": (index_naming_a_missing_shard, None, [],
+                                        ["names model-00002-of-00002.safetensors, which is "
+                                         "not there", "download it again"]),
+    "head_dim the weights do not have": (lambda f, t: edit_config(f, head_dim=32), None, [],
+                                         ["config.json's num_key_value_heads 2 × head_dim 32",
+                                          "download it again"]),
+    "odd head_dim": (lambda f, t: edit_config(f, head_dim=15), None, [],
+                     ["config.json: head_dim=15 is odd"]),
+    "a vocabulary below the data's": (smaller_vocabulary(data_tokenizer=False), None, [],
+                                      ["prepared with another tokenizer", "python prepare.py "
+                                       "--source CORPUS --tokenizer"]),
+    "a vocabulary below its own tokenizer's": (smaller_vocabulary(data_tokenizer=True), None,
+                                               [], ["config.json: vocab_size=300 is below its "
+                                                    "own tokenizer.json's 512 ids"]),
+    "seq_len past max_position_embeddings": (lambda f, t: None, None, ["--seq_len=128"],
+                                             ["max_position_embeddings=64", "--seq_len=64"]),
+    "the config.json itself": (lambda f, t: None, "config.json", [],
+                               ["is a file; pass the folder that holds it"]),
+}
+
+
+def never(*args):
+    raise AssertionError("the model was built")
+
+
+@pytest.mark.parametrize("damage, given, flags, fragments", UNFIT.values(), ids=list(UNFIT))
+def test_a_public_folder_unfit_to_start_from_is_one_line_before_any_work(
+        damage, given, flags, fragments, good_public, small_data_dir, tmp_path, capsys,
+        monkeypatch):
+    """Whatever the files show (config.json, the safetensors headers, the index, the
+    tokenizer) is refused before the model is built and the banner printed, in one line
+    that names the file or field and a fix --init_from accepts (never a model flag);
+    nothing of the user's is touched. Under an FSDP2 launch config, as each rank of one
+    runs it (in this process: a launch of 2 ranks takes half a minute here; the weights
+    were read after sharding, where each rank printed a traceback)."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setattr(train, "build_model", never)
+    folder = tmp_path / "public"
+    shutil.copytree(good_public, folder)
+    damage(folder, Path(small_data_dir) / "tokenizer.json")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    capsys.readouterr()  # transformers' progress bar, saving a model
+    base = [a for a in cli_args(micro_config(small_data_dir, str(tmp_path / "out")))
+            if not a.startswith("--model.")]
+    with pytest.raises(SystemExit) as exit_:
+        train.cli(base + [f"--init_from={folder / (given or '')}", *flags])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert all(fragment in err for fragment in fragments) and "--model." not in err, err
+    assert "model shape:" not in out  # the banner's line
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert not (tmp_path / "out").exists()
+
+
+def byte_level_tokenizer(folder: Path, special: str, before: tuple[str, ...] = ()) -> Path:
+    """A small byte-level BPE whose end-of-text token is `special` (after the special tokens
+    `before`, which take the first ids), as a public model's tokenizer.json, for a
+    tokenizer_config.json to name it (Llama 3's way, or Llama 2's </s> after <unk> and <s>)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.train_from_iterator(["def f(x):\n    return x\n"] * 50, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=[special],
+        vocab_size=300, special_tokens=[*before, special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(folder / "tokenizer.json"))
@@ -250,3 +366,30 @@ def test_a_public_tokenizer_separates_documents_with_its_own_end_of_text(tmp_pat
                                                   dtype=manifest["dtype"]).astype("int64"))
     assert stream[0] == separator and (stream == separator).sum() == \
         manifest["splits"]["train"]["documents"]
+
+
+def test_a_run_on_a_public_tokenizer_exports_its_end_of_text_for_sample_py(tmp_path, capsys):
+    """Data prepared with a public tokenizer whose end of text is its own </s> (Llama 2's
+    way, no <|endoftext|>; id 2, not a default 0): the export of a run on it (stacklm's
+    format) writes the tokenizer_config.json that names </s>, and sample.py opens and cuts
+    each completion with that token."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for path in sorted((Path(sysconfig.get_paths()["stdlib"]) / "json").glob("*.py")):
+        shutil.copy(path, corpus / f"{path.stem}.txt")
+    tokenizer = byte_level_tokenizer(tmp_path / "public", "</s>", before=("<unk>", "<s>"))
+    (tmp_path / "public" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    prepare.prepare(source=str(corpus), out_dir=str(tmp_path / "data"), tokenizer=str(tokenizer),
+                    val_fraction=0.2)
+    cfg = micro_config(str(tmp_path / "data"), str(tmp_path / "run"), total_steps=4,
+                       stop_at_step=4, warmup_steps=1)
+    train.main(cfg)
+    folder = export.export(cfg.out_dir)
+    end = Tokenizer.from_file(str(tokenizer)).token_to_id("</s>")
+    assert end == 2 and Tokenizer.from_file(str(tokenizer)).token_to_id("<|endoftext|>") is None
+    assert json.loads((folder / "tokenizer_config.json").read_text()) == {"eos_token": "</s>"}
+    assert sample.load_export(str(folder))[2] == end
+    capsys.readouterr()
+    sample.main(["--export", str(folder), "--max_new_tokens", "4", "--num_samples", "1",
+                 "--device", "cpu"])
+    assert capsys.readouterr().out.endswith("---------------\n")

@@ -22,17 +22,16 @@ from model import Transformer
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def export(tmp_path_factory) -> Path:
-    """A good export of a random ~20k-parameter model: model.pt, config.json, tokenizer.json."""
-    out = tmp_path_factory.mktemp("run") / "export"
-    out.mkdir()
+def write_export(out: Path, end_of_text: str = EOS_TOKEN) -> Path:
+    """An export of a random ~20k-parameter model at `out` (model.pt, config.json,
+    tokenizer.json), whose tokenizer's one special token is `end_of_text`."""
+    out.mkdir(parents=True)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.train_from_iterator(
         ["def add(a, b):\n    return a + b\n"] * 10,
-        trainers.BpeTrainer(vocab_size=280, special_tokens=[EOS_TOKEN], show_progress=False,
+        trainers.BpeTrainer(vocab_size=280, special_tokens=[end_of_text], show_progress=False,
                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tokenizer.save(str(out / "tokenizer.json"))
     cfg = config.StackConfig(vocab_size=tokenizer.get_vocab_size(), d_model=32, n_layers=1,
@@ -41,6 +40,12 @@ def export(tmp_path_factory) -> Path:
     torch.save(Transformer(cfg).state_dict(), out / "model.pt")
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
     return out
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory) -> Path:
+    """A good export, of a tokenizer with <|endoftext|> (prepare.py's own)."""
+    return write_export(tmp_path_factory.mktemp("run") / "export")
 
 
 def damaged_copy(export: Path, tmp_path: Path, **files: bytes | None) -> Path:
@@ -61,21 +66,22 @@ def run_sample(export_dir: Path, *extra: str) -> subprocess.CompletedProcess:
                           cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
 
 
-def assert_one_line_error(returncode: int, stderr: str, *fragments: str):
-    """Exit status 2 and one `error: ...` line on stderr that names what is wrong."""
+def assert_one_line_error(returncode: int, stderr: str, *fragments: str) -> str:
+    """Exit status 2 and one `error: ...` line on stderr that names what is wrong: that line."""
     assert returncode == 2, stderr
     assert "Traceback" not in stderr
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), stderr
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
+    return lines[0]
 
 
-def sample_error(capsys, export_dir: Path, *fragments: str):
+def sample_error(capsys, export_dir: Path, *fragments: str) -> str:
     """sample.main in this process (importing torch per case would take seconds each)."""
     with pytest.raises(SystemExit) as exit_info:
         sample.main(["--export", str(export_dir), "--max_new_tokens", "4", "--num_samples", "1"])
-    assert_one_line_error(exit_info.value.code, capsys.readouterr().err, *fragments)
+    return assert_one_line_error(exit_info.value.code, capsys.readouterr().err, *fragments)
 
 
 def test_missing_export_directory_in_a_real_process(tmp_path):
@@ -119,6 +125,20 @@ def test_unreadable_weights_and_tokenizer(export, tmp_path, capsys):
     (bad / "tokenizer.json").write_text("{")
     sample_error(capsys, bad, f"{bad / 'tokenizer.json'} is not a tokenizer")
     sample.load_export(str(export))  # the good export still loads
+
+
+def test_a_public_tokenizers_end_of_text_is_read_from_tokenizer_config_json(tmp_path, capsys):
+    """An export of a tokenizer without <|endoftext|> (a public model's, whose end of text is
+    </s>): sampling opens a completion with the token its tokenizer_config.json names.
+    Without that file, the one line names it and export.py, which writes it, not
+    prepare.py's --tokenizer."""
+    folder = write_export(tmp_path / "run" / "export", "</s>")
+    line = sample_error(capsys, folder, f"--export {folder} has no tokenizer_config.json",
+                        f"write one with: python export.py {folder.parent}")
+    assert "--tokenizer" not in line
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    _, tokenizer, eos_id = sample.load_export(str(folder))
+    assert eos_id is not None and eos_id == tokenizer.token_to_id("</s>")
 
 
 @pytest.mark.parametrize("device, message", [
