@@ -209,11 +209,12 @@ def write_stacklm(folder: Path, weights: dict, cfg: StackConfig, tokenizer_file,
     (its end-of-text token), provenance.json."""
     def write(tmp: Path):
         torch.save(weights, tmp / "model.pt")
-        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-        (tmp / "provenance.json").write_text(json.dumps(provenance, indent=1))
+        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1),
+                                         encoding="utf-8")
+        (tmp / "provenance.json").write_text(json.dumps(provenance, indent=1), encoding="utf-8")
         shutil.copy(tokenizer_file, tmp / "tokenizer.json")
         (tmp / "tokenizer_config.json").write_text(json.dumps(
-            {"eos_token": token_of(tokenizer_file, eos_id)}, indent=1))
+            {"eos_token": token_of(tokenizer_file, eos_id)}, indent=1), encoding="utf-8")
     return write_folder(folder, STACKLM_FILES, write)
 
 
@@ -279,19 +280,20 @@ def write_hf(folder, weights: dict, cfg: StackConfig, tokenizer_file, eos_id: in
     special = {"bos_token": eos, "eos_token": eos, "pad_token": eos}
 
     def write(tmp: Path):
-        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        (tmp / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
         (tmp / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id,
-             "do_sample": True, "temperature": 0.8, "top_k": 50}, indent=1))
+             "do_sample": True, "temperature": 0.8, "top_k": 50}, indent=1), encoding="utf-8")
         # "format": "pt" is what 4.57 asks of a safetensors file before it loads it
         save_file(hf_state_dict(weights), tmp / "model.safetensors", metadata={"format": "pt"})
         shutil.copy(tokenizer_file, tmp / "tokenizer.json")
         # PreTrainedTokenizerFast loads in 4.57 and 5.x alike (5's TokenizersBackend does not)
         (tmp / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", **special,
-             "model_max_length": cfg.max_seq_len}, indent=1))
-        (tmp / "special_tokens_map.json").write_text(json.dumps(special, indent=1))
-        (tmp / "provenance.json").write_text(json.dumps(provenance, indent=1))
+             "model_max_length": cfg.max_seq_len}, indent=1), encoding="utf-8")
+        (tmp / "special_tokens_map.json").write_text(json.dumps(special, indent=1),
+                                                     encoding="utf-8")
+        (tmp / "provenance.json").write_text(json.dumps(provenance, indent=1), encoding="utf-8")
         if config.get("auto_map"):
             shutil.copy(MODELING_FILE, tmp / "modeling_stacklm.py")
     return write_folder(Path(folder), HF_FILES, write)

@@ -702,7 +702,7 @@ def separator_token(path: Path, tokenizer: Tokenizer) -> str:
     for name, key in (("tokenizer_config.json", "eos_token"),
                       ("generation_config.json", "eos_token_id"), ("config.json", "eos_token_id")):
         try:
-            value = json.loads((path.parent / name).read_text()).get(key)
+            value = json.loads((path.parent / name).read_text(encoding="utf-8")).get(key)
         except (OSError, ValueError, AttributeError):
             continue
         value = value[0] if isinstance(value, list) and value else value

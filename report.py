@@ -681,7 +681,7 @@ def write(folders: list, out: Path | None = None) -> tuple[Path, str | None, lis
     # whose report overlaps the one before).
     tmp = f".tmp-{os.getpid()}"
     figure.savefig(out / f"report.png{tmp}", format="png", dpi=100)
-    (out / f"report.md{tmp}").write_text(text)
+    (out / f"report.md{tmp}").write_text(text, encoding="utf-8")
     os.replace(out / f"report.png{tmp}", out / "report.png")
     os.replace(out / f"report.md{tmp}", out / "report.md")
     return out, verdict, [w for run in runs for w in run.warnings]

@@ -49,7 +49,7 @@ def load_export(export_dir: str, device: str = "cpu") -> tuple[Transformer, Toke
         raise FileNotFoundError(f"--export {export} has no {', '.join(missing)} (sampling "
                                 f"needs {', '.join(EXPORT_FILES)}); {how_to_export(export)}")
     try:
-        cfg = StackConfig(**json.loads((export / "config.json").read_text()))
+        cfg = StackConfig(**json.loads((export / "config.json").read_text(encoding="utf-8")))
     except (ValueError, TypeError) as e:  # bad JSON, an unknown or a bad field
         raise ValueError(f"{export / 'config.json'} is not a model config ({e}); "
                          f"{how_to_export(export)}") from e
@@ -86,7 +86,8 @@ def end_of_text(export: Path, tokenizer: Tokenizer) -> int:
     it."""
     path = export / "tokenizer_config.json"
     try:
-        token = json.loads(path.read_text())["eos_token"] if path.is_file() else EOS_TOKEN
+        token = json.loads(path.read_text(encoding="utf-8"))["eos_token"] if path.is_file() \
+            else EOS_TOKEN
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path} names no eos_token ({type(e).__name__}: {e}); "
                          f"{how_to_export(export)}") from None

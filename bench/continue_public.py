@@ -127,7 +127,7 @@ def main(argv=None):
     result["commands"] = [" ".join(c) for c in commands]
     line = json.dumps(result)
     print(line)
-    (REPO / "bench" / "results" / "continue_public.json").write_text(line + "\n")
+    (REPO / "bench" / "results" / "continue_public.json").write_text(line + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def logged_steps(out_dir: str) -> int:
     metrics = Path(out_dir) / "metrics.jsonl"
     if not metrics.exists():
         return 0
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    rows = [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines() if line]
     return max((r["step"] for r in rows if "lr_muon" in r), default=0)
 
 
@@ -108,7 +108,8 @@ def signal_trial(root: str, steps: int, rng: random.Random, ckpt_async: bool) ->
     proc.send_signal(signal.SIGTERM)
     err = proc.communicate()[1]
     saved = checkpoint.complete_checkpoints(out)
-    step = json.loads((saved[-1] / "train_state.json").read_text())["step"] if saved else None
+    state = saved[-1] / "train_state.json" if saved else None
+    step = json.loads(state.read_text(encoding="utf-8"))["step"] if state else None
     return {"exit": proc.returncode, "saved": step, "extra_steps": None if step is None
             else step - (before + 1), "error": err.strip().splitlines()[-1:]
             if proc.returncode else []}

@@ -28,7 +28,8 @@ STEP = 40
 
 
 def loss_at(metrics: Path, step: int) -> float:
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    lines = metrics.read_text(encoding="utf-8").splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
     return next(r["loss"] for r in records if r["kind"] == "train" and r["step"] == step)
 
 

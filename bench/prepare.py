@@ -98,7 +98,8 @@ def memory_worker(megabytes: int, tokenizer_chars: int) -> dict:
         source = Path(tmp) / "corpus"
         source.mkdir()
         for i in range(megabytes):  # one 1 MB file of ~200 documents each
-            source.joinpath(f"part_{i:04d}.txt").write_text(synthetic_text(rng, 1 << 20))
+            source.joinpath(f"part_{i:04d}.txt").write_text(synthetic_text(rng, 1 << 20),
+                                                            encoding="utf-8")
         baseline = peak_rss_mb()
         start = time.perf_counter()
         manifest = prepare.prepare(str(source), str(Path(tmp) / "out"), vocab_size=8192,

@@ -136,7 +136,7 @@ def train_once(cfg: config.TrainConfig) -> dict:
     run_dir = Path(cfg.out_dir)
     done = run_dir / "done.json"
     wanted = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
-    if not (done.exists() and json.loads(done.read_text())["config"] == wanted):
+    if not (done.exists() and json.loads(done.read_text(encoding="utf-8"))["config"] == wanted):
         print(f"recipe: training {run_dir.name}", flush=True)
         shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl appends: start it empty
         load_before = os.getloadavg()[0]
@@ -145,7 +145,7 @@ def train_once(cfg: config.TrainConfig) -> dict:
         finished(run_dir, cfg)
         done.write_text(json.dumps({"config": wanted, "wall_s": time.perf_counter() - start,
                                     "load_before": load_before,
-                                    "load_after": os.getloadavg()[0]}))
+                                    "load_after": os.getloadavg()[0]}), encoding="utf-8")
     records = read_metrics(run_dir)
     evals = [r for r in records if "val_loss" in r]
     return {"name": run_dir.name, "cfg": cfg,
@@ -154,7 +154,7 @@ def train_once(cfg: config.TrainConfig) -> dict:
             "points": [{"step": r["step"], "tokens": r["step"] * cfg.global_batch_tokens,
                         "val_loss": r["val_loss"], "val_bpb": r["val_bpb"]} for r in evals],
             "train": [r for r in records if "tokens_per_s" in r],
-            **json.loads(done.read_text())}
+            **json.loads(done.read_text(encoding="utf-8"))}
 
 
 def finished(run_dir: Path, cfg: config.TrainConfig):
@@ -167,7 +167,8 @@ def finished(run_dir: Path, cfg: config.TrainConfig):
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    text = (run_dir / "metrics.jsonl").read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines()]
 
 
 # ---------------------------------------------------------------------------------------
@@ -348,7 +349,7 @@ def write_csv(measured: dict, path: Path):
     """Long format: one row per eval point of every run, named as its run directory."""
     fields = ["run", "matrix_optimizer", "matrix_peak_lr", "adamw_peak_lr", "seed", "steps",
               "step", "tokens", "val_loss", "val_bpb"]
-    with open(path, "w", newline="") as f:
+    with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         for run in all_runs(measured):
@@ -468,7 +469,7 @@ def write_markdown(summary: dict, command: str, path: Path):
         lines.append(f"- The best LR sits at the edge of its grid for: {', '.join(edges)}.")
     lines += ["", ("![validation loss over seeds, LR sweep, and tokens to equal loss]"
                    "(bench/results/recipe.png)")]
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def table_row(arm: str, a: dict) -> str:
@@ -506,7 +507,7 @@ def main():
     command = "python bench/recipe.py " + " ".join(sys.argv[1:])
     write_markdown(summary, command.strip(), out.with_suffix(".md"))
     line = json.dumps(summary)
-    out.with_suffix(".json").write_text(line + "\n")
+    out.with_suffix(".json").write_text(line + "\n", encoding="utf-8")
     print(line)
 
 

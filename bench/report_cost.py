@@ -68,7 +68,7 @@ def synthetic_log(out_dir: Path, steps: int, log_every: int, eval_every: int,
                "elapsed_s": steps * 0.117}]
     out_dir.mkdir(parents=True, exist_ok=True)
     text = "".join(json.dumps(r) + "\n" for r in lines)
-    (out_dir / "metrics.jsonl").write_text(text)
+    (out_dir / "metrics.jsonl").write_text(text, encoding="utf-8")
     return len(text)
 
 

@@ -51,7 +51,7 @@ def make_data(root: Path, megabytes: int):
                 "dtype": "uint16", "tokenizer": {"file": "tokenizer.json", "sha256": ""},
                 "splits": {"train": {"tokens": sum(s["tokens"] for s in shards),
                                      "shards": shards}}}
-    (root / shards.MANIFEST).write_text(json.dumps(manifest))
+    (root / shards.MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
 
 
 def worker(data_dir: str, mode: str, out: str):
@@ -75,7 +75,7 @@ def worker(data_dir: str, mode: str, out: str):
                                    accelerator.num_processes)
     seconds = time.perf_counter() - start
     Path(f"{out}.{accelerator.process_index}").write_text(json.dumps(
-        {"seconds": seconds, "hashed_bytes": sum(hashed)}))
+        {"seconds": seconds, "hashed_bytes": sum(hashed)}), encoding="utf-8")
     accelerator.wait_for_everyone()
 
 
@@ -86,7 +86,7 @@ def launch(data_dir: Path, mode: str, ranks: int) -> dict:
                str(data_dir), mode, str(out)]
     subprocess.run(command, check=True, capture_output=True,
                    env=os.environ | {"OMP_NUM_THREADS": "1"})
-    results = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(ranks)]
+    results = [json.loads(Path(f"{out}.{r}").read_text(encoding="utf-8")) for r in range(ranks)]
     return {"mode": mode, "ranks": ranks,
             "seconds": round(max(r["seconds"] for r in results), 3),
             "hashed_mb": round(sum(r["hashed_bytes"] for r in results) / 2**20)}

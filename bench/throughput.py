@@ -33,7 +33,7 @@ from plumbing import cli, launch, overrides  # noqa: E402
 def loop_tokens_per_s(cfg, warmup: int) -> float:
     """Tokens/s of train.main between its log line at step `warmup` and its last one."""
     train.main(cfg)
-    lines = (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()
+    lines = (Path(cfg.out_dir) / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
     records = {r["step"]: r for r in map(json.loads, lines) if "tokens_per_s" in r}
     first, last = records[warmup], records[max(records)]
     return (last["tokens_seen"] - first["tokens_seen"]) / (last["elapsed_s"] - first["elapsed_s"])

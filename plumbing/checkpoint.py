@@ -392,7 +392,8 @@ class Saver:
         accelerator.wait_for_everyone()
         torch.save(rng_state(), tmp / f"rng_rank{accelerator.process_index}.pt")
         if accelerator.is_main_process:
-            (tmp / "train_state.json").write_text(json.dumps(train_state, indent=1))
+            (tmp / "train_state.json").write_text(json.dumps(train_state, indent=1),
+                                                  encoding="utf-8")
 
     def poll(self) -> list[tuple[int, float, float]]:
         """At every step: completes the save in flight once every rank's write is done (a
@@ -438,7 +439,7 @@ def read_train_state(path: Path) -> dict:
     """The checkpoint's train_state.json in today's layout; DamagedCheckpointError if it
     cannot be read, or is not a train state (a JSON object holding the step)."""
     try:
-        state = json.loads((Path(path) / "train_state.json").read_text())
+        state = json.loads((Path(path) / "train_state.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise DamagedCheckpointError(f"{path}: train_state.json: {failure(e)}") from e
     if not (isinstance(state, dict) and isinstance(state.get("step"), int)):

@@ -361,7 +361,7 @@ def read_back(manifest: dict, data_dir: str) -> tuple[list[str], str | None, str
     if not keys_file:
         return [], (f"{data_dir} was prepared by an older stacklm, which did not list its val "
                     f"documents ({shards.VAL_KEYS_FILE})"), "prepare it again"
-    keys = json.loads((Path(data_dir) / keys_file).read_text())
+    keys = json.loads((Path(data_dir) / keys_file).read_text(encoding="utf-8"))
     source = manifest["source"]
     if prepare.from_dataset(source, keys):
         return [], (f"{data_dir} was prepared from the Hugging Face dataset {source}, and "

@@ -62,7 +62,7 @@ def read_config(folder) -> dict:
         raise NotADirectoryError(f"init_from={folder} is a file; pass the folder that holds "
                                  f"it: --init_from={Path(folder).parent}")
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise FileNotFoundError(f"init_from={folder}: no config.json there; point it at a "
                                 f"transformers folder (config.json and *.safetensors)") from None
@@ -219,8 +219,8 @@ def weight_files(folder) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
-            names = sorted({str(name) for name in json.loads(index.read_text())["weight_map"]
-                            .values()})
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted({str(name) for name in weight_map.values()})
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{index} is not an index of safetensors files ({type(e).__name__}: "
                              f"{e}); {DOWNLOAD_AGAIN}") from None

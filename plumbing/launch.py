@@ -118,7 +118,7 @@ def cpu_computes_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """Whether this CPU has bf16 arithmetic in hardware, from its flags (x86's `flags`,
     Arm's `Features`). Where they cannot be read (not Linux), no: fp32 is the safe guess."""
     try:
-        lines = cpuinfo.read_text().splitlines()
+        lines = cpuinfo.read_text(encoding="utf-8").splitlines()
     except OSError:
         return False
     flags = {flag for line in lines if line.startswith(("flags", "Features"))
@@ -281,7 +281,7 @@ def record_outcome(outcome: str, step: int, is_local_main: bool):
     path = os.environ.get(OUTCOME_FILE)
     if path and is_local_main:
         tmp = Path(f"{path}.tmp")
-        tmp.write_text(f"{outcome} {step}\n")
+        tmp.write_text(f"{outcome} {step}\n", encoding="utf-8")
         tmp.replace(path)  # whole or absent, never half-written (rename fails on Windows)
 
 

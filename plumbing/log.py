@@ -208,7 +208,7 @@ def device_name(device: torch.device) -> str:
     if device.type == "mps":
         return "Apple GPU (MPS)"
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        lines = Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines()
         model = next(line.split(":", 1)[1].strip() for line in lines
                      if line.startswith("model name"))
     except (OSError, StopIteration):
@@ -444,7 +444,7 @@ class MetricsLogger:
             path = Path(cfg.out_dir) / "metrics.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
             cut = last_byte(path) not in (b"", b"\n")
-            self.jsonl = open(path, "a")
+            self.jsonl = open(path, "a", encoding="utf-8")
             # A line a kill -9 cut short gets its newline, so it stays one bad line that
             # report.py skips, never glued to the first record of this start.
             if cut:

@@ -60,7 +60,7 @@ def load_manifest(data_dir, vocab_size: int | None = None, flag: str = "--data_d
         raise FileNotFoundError(f"{path} is missing (never prepared); run "
                                 f"`{_prepare_hint(data_dir, vocab_size)}`")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(path.read_text(encoding="utf-8"))
         version, vocab_size, dtype = (manifest["format_version"], manifest["vocab_size"],
                                       np.dtype(manifest["dtype"]))
     except (ValueError, KeyError, TypeError) as e:
@@ -176,7 +176,7 @@ def read_checked(data_dir) -> dict:
     """data_dir/checked.json: {shard file: [size, mtime_ns, sha256, vocab_size, dtype]} of
     shards hashed and found good; empty if absent or unreadable (then everything is hashed)."""
     try:
-        record = json.loads((Path(data_dir) / CHECKED).read_text())
+        record = json.loads((Path(data_dir) / CHECKED).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}
@@ -189,7 +189,7 @@ def write_checked(data_dir, record: dict):
     path = Path(data_dir) / CHECKED
     tmp = path.with_name(f"{CHECKED}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(json.dumps(record, indent=0))
+        tmp.write_text(json.dumps(record, indent=0), encoding="utf-8")
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)
