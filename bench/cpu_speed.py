@@ -2,7 +2,8 @@
 and what each of stacklm's speed levers buys.
 
     python bench/cpu_speed.py                                # 30 timed steps, 2 rounds
-    python bench/cpu_speed.py --steps 2 --warmup 1 --rounds 1 --no-compile   # a smoke run
+    python bench/cpu_speed.py --steps 2 --warmup 1 --rounds 1 --no-compile \
+        --micro_batch_size 2                                 # a smoke run
     python bench/cpu_speed.py --profile                      # and where each step's time goes
     python bench/cpu_speed.py --no-compile --precision fp32  # the levers where auto is fp32
 
@@ -38,6 +39,7 @@ largest ops (torch.profiler, self CPU time) as shares of its step. One JSON line
 """
 
 import contextlib
+import dataclasses
 import json
 import math
 import statistics
@@ -266,8 +268,12 @@ def main():
                         help="the precision of the lever variants and the goal (auto: bf16 "
                              "where this CPU computes it, as the run's auto; fp32 stands for "
                              "a CPU without bf16 arithmetic)")
+    parser.add_argument("--micro_batch_size", type=cli.at_least(1), default=16,
+                        help="windows of 256 tokens a step (tiny's 16; fewer for a smoke run, "
+                             "where a CPU without bf16 arithmetic emulates the bf16 variants)")
     args = parser.parse_args()
-    cfg = config.tiny()
+    cfg = dataclasses.replace(config.tiny(), micro_batch_size=args.micro_batch_size,
+                              global_batch_tokens=args.micro_batch_size * config.tiny().seq_len)
     prepare.ensure_builtin([cfg.data_dir], cfg.model.vocab_size)
     loader = data.PackedShardLoader(cfg.data_dir, "train", cfg.seq_len, cfg.micro_batch_size,
                                     seed=cfg.seed)
