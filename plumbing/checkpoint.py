@@ -33,6 +33,7 @@ import errno
 import functools
 import json
 import operator
+import os
 import pickle
 import random
 import re
@@ -277,7 +278,7 @@ def writing(step: int, tmp: Path):
 def mount_point(path: Path) -> Path:
     """Where the disk that holds `path` is mounted."""
     path = Path(path).resolve()
-    while not path.is_mount():
+    while not os.path.ismount(path):  # Path.is_mount has no Windows version before 3.12
         path = path.parent
     return path
 

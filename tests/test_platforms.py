@@ -6,6 +6,7 @@ user reads."""
 import ast
 import dataclasses
 import io
+import os
 import subprocess
 import sys
 import types
@@ -17,7 +18,7 @@ import torch
 import config
 import model
 import sample
-from plumbing import cli, launch, log
+from plumbing import checkpoint, cli, launch, log
 from tests.test_errors import run_cli
 
 REPO = Path(__file__).resolve().parent.parent
@@ -191,3 +192,13 @@ def test_every_text_file_is_read_and_written_as_utf8():
     would be garbled or refused. Every text file stacklm touches names UTF-8."""
     files = [*REPO.glob("*.py"), *(REPO / "plumbing").glob("*.py"), *(REPO / "bench").glob("*.py")]
     assert [call for path in sorted(files) for call in unencoded_text_io(path)] == []
+
+
+def test_a_full_disks_mount_point_is_found_where_path_is_mount_is_missing(monkeypatch, tmp_path):
+    """The full-disk line names the disk by its mount point; Python 3.11's Path.is_mount
+    raises NotImplementedError on Windows, which would turn that line into a traceback."""
+    def windows_is_mount(self):
+        raise NotImplementedError("Path.is_mount() is unsupported on this system")
+    monkeypatch.setattr(Path, "is_mount", windows_is_mount)
+    mount = checkpoint.mount_point(tmp_path / "out" / "ckpt" / "step_0000004.tmp")
+    assert os.path.ismount(mount) and tmp_path.resolve().is_relative_to(mount)
