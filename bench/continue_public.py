@@ -1,6 +1,6 @@
 """Continuing a public model: which optimizer and peak learning rate, measured on a stand-in.
 
-    python bench/continue_public.py                      # 9 runs, ~25 min on 2 CPU cores
+    python bench/continue_public.py                      # 7 runs, ~25 min on 2 CPU cores
     python bench/continue_public.py --pretrain_steps 8 --continue_steps 4 --seeds 1 \\
         --runs_dir /tmp/continue_smoke                   # smoke: a minute
 
@@ -15,8 +15,7 @@ rate. The stand-in is made the same way, on this CPU:
 
        muon_preset    Muon on the matrices at the from-scratch peaks (muon 6e-3, adamw 3e-3)
        muon_modest    Muon at a tenth of them (muon 6e-4, adamw 3e-4)
-       adamw_preset   AdamW on every matrix at the from-scratch peak (3e-3)
-       adamw_modest   AdamW at a tenth of it (3e-4)
+       adamw_modest   AdamW on every matrix at a tenth of its from-scratch peak (3e-4)
 
 3. **Score** each continued model, and the pretrained one, on both val splits: numpy's (what
    the continuation is for) and the standard library's (what it forgets).
@@ -50,7 +49,6 @@ ORIGINAL = "data/stdlib-4k"  # the built-in corpus, the stand-in's pretraining d
 LLAMA = ["--model.qk_norm=false", "--model.nope_every=0"]
 ARMS = {"muon_preset": ["--matrix_optimizer=muon", "--muon_peak_lr=6e-3", "--adamw_peak_lr=3e-3"],
         "muon_modest": ["--matrix_optimizer=muon", "--muon_peak_lr=6e-4", "--adamw_peak_lr=3e-4"],
-        "adamw_preset": ["--matrix_optimizer=adamw", "--adamw_peak_lr=3e-3"],
         "adamw_modest": ["--matrix_optimizer=adamw", "--adamw_peak_lr=3e-4"]}
 # What none of the runs needs: the in-loop task, the report, a checkpoint before the last.
 QUIET = ["--downstream=", "--write_report=false", "--sample_tokens=1"]

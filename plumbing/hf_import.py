@@ -189,6 +189,26 @@ def check_shape(cfg):
                              f"knob with --init_from: its config.json sets the shape")
 
 
+# How docs/recipe.md continues a public model: AdamW, as such a model was pretrained, at a
+# tenth of the from-scratch peak. On a stand-in (bench/continue_public.py) the from-scratch
+# peaks made it forget about three times as much of its own data.
+CONTINUE_AT = "--matrix_optimizer=adamw --adamw_peak_lr=3e-4"
+
+
+def peak_warnings(cfg) -> list[str]:
+    """A public model continued at a from-scratch peak (AdamW's, which the embedding always
+    takes, or Muon's on the matrices): said in the banner, with the measured alternative."""
+    scratch = type(cfg)()
+    at_scratch = cfg.adamw_peak_lr == scratch.adamw_peak_lr or \
+        cfg.matrix_optimizer == "muon" and cfg.muon_peak_lr == scratch.muon_peak_lr
+    if not cfg.init_from or not at_scratch:
+        return []
+    return [f"warning: --init_from continues a pretrained model at the from-scratch peaks "
+            f"(muon_peak_lr={cfg.muon_peak_lr:g}, adamw_peak_lr={cfg.adamw_peak_lr:g}); on a "
+            f"stand-in they made it forget three times as much of its own data as a tenth "
+            f"did; to keep what it knows, pass {CONTINUE_AT} (docs/recipe.md)"]
+
+
 def check_tokenizer(cfg, source: str):
     """The data was prepared with the model's own tokenizer (the same file, by sha256), whose
     ids the model's vocabulary holds. Checked before the data's vocabulary is compared with

@@ -44,7 +44,7 @@ def check(cfg, accelerator, force: bool) -> Plan:
         hf_import.check_shape(cfg)
         hf_import.check_weights(cfg.init_from, cfg.model)
     in_use, why = launch.precision(cfg)
-    warnings = launch.precision_warnings(os.environ, in_use)
+    warnings = launch.precision_warnings(os.environ, in_use) + hf_import.peak_warnings(cfg)
     # FSDP2 when the launch config asks for it, on any device: train.py shards the model
     # itself, so a CPU run under gloo takes the very path a GPU run does (accelerate would
     # choose FSDP on GPUs only, and wrap the model in DDP on CPUs).

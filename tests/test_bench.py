@@ -316,6 +316,8 @@ BAD_BENCH_ARGS = [
      "argument --tokens_per_s: expected a number > 0, got '-1'"),
     ("ckpt_async.py", ["--preset", "tiny", "--tokens_per_s", "nan"],
      "argument --tokens_per_s: expected a number > 0, got 'nan'"),
+    ("continue_public.py", ["--continue_steps", "0"],
+     "argument --continue_steps: expected a whole number >= 1, got '0'"),
     ("crash_resume.py", ["--kills", "-1"], "argument --kills: expected a whole number >= 0"),
     ("downstream_cost.py", ["--rounds", "0"], "argument --rounds: expected a whole number"),
     ("gpu_sweep.py", ["--budget_s", "soon"], "argument --budget_s: invalid float value"),

@@ -22,6 +22,7 @@ import export
 import prepare
 import sample
 import train
+import config
 from config import StackConfig
 from conftest import micro_config
 from model import Transformer
@@ -393,3 +394,28 @@ def test_a_run_on_a_public_tokenizer_exports_its_end_of_text_for_sample_py(tmp_p
     sample.main(["--export", str(folder), "--max_new_tokens", "4", "--num_samples", "1",
                  "--device", "cpu"])
     assert capsys.readouterr().out.endswith("---------------\n")
+
+
+def test_a_public_model_continued_at_the_from_scratch_peaks_is_warned(small_data_dir, tmp_path):
+    """Either peak a run uses left at its from-scratch default (AdamW's always: the embedding
+    and gains; Muon's on the matrices) gets the warning, naming the measured fix; a tenth of
+    both, as docs/recipe.md's commands continue, gets none; a run from scratch neither."""
+    public_model(tmp_path / "public", "llama", Path(small_data_dir) / "tokenizer.json")
+    scratch = config.TrainConfig()
+    both = dict(muon_peak_lr=scratch.muon_peak_lr, adamw_peak_lr=scratch.adamw_peak_lr)
+    [warning] = hf_import.peak_warnings(public_run(tmp_path / "public", small_data_dir,
+                                                   tmp_path / "out", **both))
+    assert warning == (f"warning: --init_from continues a pretrained model at the from-scratch "
+                       f"peaks (muon_peak_lr=0.006, adamw_peak_lr=0.003); on a stand-in they "
+                       f"made it forget three times as much of its own data as a tenth did; to "
+                       f"keep what it knows, pass {hf_import.CONTINUE_AT} (docs/recipe.md)")
+    for knobs in ({**both, "muon_peak_lr": 6e-4}, {**both, "adamw_peak_lr": 3e-4}):
+        assert len(hf_import.peak_warnings(public_run(tmp_path / "public", small_data_dir,
+                                                      tmp_path / "out", **knobs))) == 1
+    tenth = public_run(tmp_path / "public", small_data_dir, tmp_path / "out",
+                       muon_peak_lr=6e-4, adamw_peak_lr=3e-4)
+    assert hf_import.peak_warnings(tenth) == []
+    recipe = public_run(tmp_path / "public", small_data_dir, tmp_path / "out",
+                        **dict(flag[2:].split("=") for flag in hf_import.CONTINUE_AT.split()))
+    assert hf_import.peak_warnings(recipe) == []  # Muon's peak is unused there
+    assert hf_import.peak_warnings(dataclasses.replace(tenth, init_from=None, **both)) == []

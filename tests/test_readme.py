@@ -152,10 +152,12 @@ HOW = {
     "python prepare.py --source data/raw/more.txt --tokenizer "
     "models/SmolLM2-135M/tokenizer.json --data_dir data/premium-smollm2": ("run", []),
     "python train.py --init_from=models/SmolLM2-135M --data_dir=data/mine-smollm2 "
-    "--total_steps=4000 --stop_at_step=3600 --warmup_steps=200 --out_dir=out/smollm2-stable": (
+    "--total_steps=4000 --stop_at_step=3600 --warmup_steps=200 --matrix_optimizer=adamw "
+    "--adamw_peak_lr=3e-4 --out_dir=out/smollm2-stable": (
         "run", PUBLIC_STAND_IN + ["--stop_at_step=3"]),
     "python train.py --init_from=models/SmolLM2-135M --data_dir=data/mine-smollm2 "
-    "--total_steps=4000 --stop_at_step=4000 --warmup_steps=200 --anneal_data_dir="
+    "--total_steps=4000 --stop_at_step=4000 --warmup_steps=200 --matrix_optimizer=adamw "
+    "--adamw_peak_lr=3e-4 --anneal_data_dir="
     "data/premium-smollm2 --resume=out/smollm2-stable/ckpt/step_0003600 "
     "--out_dir=out/smollm2-anneal": (
         "run", PUBLIC_STAND_IN + ["--stop_at_step=4",
