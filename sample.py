@@ -13,7 +13,7 @@ which sample.py does not read. A missing or damaged export is one line on stderr
 status 2; --debug shows the traceback.
 
 Imports from stacklm: cli, config, data (the end-of-text token of stacklm's own tokenizers),
-launch (the devices) and model.
+devices and model.
 """
 
 import argparse
@@ -29,7 +29,7 @@ from config import StackConfig
 from data import EOS_TOKEN
 from model import TEMPERATURE, TOP_K, Transformer, complete
 from plumbing.cli import ArgumentParser, user_errors
-from plumbing.launch import DEVICES
+from plumbing.devices import DEVICES
 
 # What sampling needs of every export; tokenizer_config.json is read where it is there
 # (end_of_text). export.py also writes provenance.json, for people.

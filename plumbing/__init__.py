@@ -3,6 +3,7 @@ model.py, data.py, optim.py and config.py at the top of the repository), one con
 file, each with a docstring that says what it holds:
 
     preflight      every refusal before any work, and the banner's facts
+    devices        the device a run trains on (--device), for train.py and sample.py
     launch         the Accelerator, precision and compile, the launch config's keys, the
                    signals a scheduler sends, the outcome file, leaving the process group
     resume         which checkpoint a run continues, and what a resume may change

@@ -1,5 +1,6 @@
-"""How a run meets its launcher and its machine: the Accelerator, with the precision and
-compilation this machine gets (`make_accelerator`, `precision`, `use_compile`); the launch
+"""How a run meets its launcher and its machine: the Accelerator, with the device
+(devices.device_type), precision and compilation this machine gets (`make_accelerator`,
+`precision`, `use_compile`), and where a launched run cannot work (`check_platform`); the launch
 config's keys (what an accelerate yaml asks of train.py, read from the environment
 `accelerate launch` gives the workers: `check_launch`, `precision_warnings`, `fsdp_launch`);
 the signals a scheduler sends (`StopFlag`: SIGTERM or Ctrl-C finishes the step, saves,
@@ -7,8 +8,8 @@ exits 0); the outcome file a launch script reads, since a launcher's exit status
 tell a clean stop from a crash (`record_outcome`); and the process group, left after a
 barrier on every way out (`leaving_process_group`).
 
-Imports from stacklm: cli (is_rank0, for the one acknowledgement of a stop). It takes a
-config object.
+Imports from stacklm: cli (is_rank0, for the one acknowledgement of a stop) and devices. It
+takes a config object.
 """
 
 import contextlib
@@ -24,12 +25,14 @@ import torch.distributed as dist
 from accelerate import Accelerator, PartialState
 
 from plumbing.cli import is_rank0
+from plumbing.devices import device_type
 
 
 def make_accelerator(cfg) -> Accelerator:
-    """One Accelerator for the run. The world size must be known before it exists (it sets
-    the accumulation), so it is read from the launcher's environment via PartialState.
-    Without CUDA, `cpu=True` makes a multi-process launch DDP over gloo (MULTI_CPU). The
+    """One Accelerator for the run, on the device `device_type` picks. The world size must
+    be known before it exists (it sets the accumulation), so it is read from the launcher's
+    environment via PartialState. On the CPU, `cpu=True` makes a multi-process launch DDP
+    over gloo (MULTI_CPU); otherwise accelerate takes the GPU (CUDA, or an Apple GPU). The
     launch config is checked first (`check_launch`), before accelerate reads it."""
     check_launch(os.environ)
     device = device_type(cfg)
@@ -42,25 +45,6 @@ def make_accelerator(cfg) -> Accelerator:
     world_size = PartialState(cpu=cpu).num_processes
     return Accelerator(cpu=cpu, mixed_precision=precision(cfg)[0],
                        gradient_accumulation_steps=cfg.grad_accum_steps(world_size))
-
-
-# The devices a run may train on, in the order --device=auto tries them (nanochat's), with
-# the test for each and what it is called in a refusal.
-DEVICES = {"cuda": (lambda: torch.cuda.is_available(), "CUDA GPU"),
-           "mps": (lambda: torch.backends.mps.is_available(), "Apple GPU (MPS)"),
-           "cpu": (lambda: True, "CPU")}
-
-
-def device_type(cfg) -> str:
-    """The device type a run trains on: --device, or for auto a CUDA GPU, else an Apple GPU,
-    else the CPU. One the machine lacks is refused in one line."""
-    if cfg.device == "auto":
-        return next(name for name, (present, _) in DEVICES.items() if present())
-    present, what = DEVICES[cfg.device]
-    if not present():
-        raise ValueError(f"device={cfg.device}: this machine has no {what}; use --device=auto "
-                         f"(it picks what the machine has) or --device=cpu")
-    return cfg.device
 
 
 def check_platform(device: str, environ, platform: str = sys.platform):

@@ -53,12 +53,12 @@ def test_each_file_imports_what_its_docstring_says(module):
 
 # README's Reading order: the plumbing that the lesson files compose imports the lesson's
 # config and data, the shared cli and shards, at most, plus what each extra is named for.
-PLUMBING = ("checkpoint", "launch", "resume", "log", "downstream", "cli", "shards",
+PLUMBING = ("checkpoint", "devices", "launch", "resume", "log", "downstream", "cli", "shards",
             "overrides", "chunked_loss", "rms_norm", "hf_import", "report", "prepare")
 PLUMBING_IMPORTS = {"config", "cli", "data", "shards"}
 PLUMBING_EXTRAS = {"log": {"model"}, "downstream": {"prepare"}, "prepare": {"checkpoint"},
                    "resume": {"checkpoint", "hf_import"}, "hf_import": {"model"},
-                   "overrides": {"hf_import"}}
+                   "overrides": {"hf_import"}, "launch": {"devices"}}
 
 
 @pytest.mark.parametrize("module", PLUMBING)

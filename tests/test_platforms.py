@@ -18,7 +18,7 @@ import torch
 import config
 import model
 import sample
-from plumbing import checkpoint, cli, launch, log
+from plumbing import checkpoint, cli, devices, launch, log
 from tests.test_errors import run_cli
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,9 +37,9 @@ def machine(monkeypatch, cuda: bool = False, mps: bool = False):
 def test_device_auto_takes_a_cuda_gpu_then_an_apple_gpu_then_the_cpu(monkeypatch, cuda, mps,
                                                                      device):
     machine(monkeypatch, cuda, mps)
-    assert launch.device_type(config.tiny()) == device
+    assert devices.device_type(config.tiny()) == device
     assert sample.checked_device("auto") == device
-    assert launch.device_type(dataclasses.replace(config.tiny(), device="cpu")) == "cpu"
+    assert devices.device_type(dataclasses.replace(config.tiny(), device="cpu")) == "cpu"
 
 
 @pytest.mark.parametrize("device, what", [("cuda", "CUDA GPU"), ("mps", "Apple GPU (MPS)")])
