@@ -27,7 +27,13 @@ class RMSNormFunction(torch.autograd.Function):
         r = torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)  # (..., 1)
         n = x32 * r  # (..., D)
         ctx.save_for_backward(n, r, weight)
-        return (n * weight.to(n.dtype)).type_as(x)
+        out = n * weight.to(n.dtype)
+        # torch 2.11: where the cast back is a no-op (fp32 x) it returns `out` itself, and in
+        # a compiled block dynamo then lists `out` twice among the forward's outputs, which
+        # sends the incoming gradient to the wrong one: backward sees zeros, and x and the
+        # gain get no gradient (pytorch/pytorch#180642, fixed in 2.12 by #180921). So a cast
+        # only where the dtype changes: never return an intermediate itself from here.
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
