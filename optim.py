@@ -177,8 +177,11 @@ class Muon(torch.optim.Optimizer):
         return list(self._orthogonalize(torch.stack(updates), group))
 
     def _orthogonalize(self, update, group) -> torch.Tensor:
-        dtype = self.ns_dtype or (torch.bfloat16 if update.is_cuda else torch.float32)
-        return newton_schulz(update, group["ns_steps"], dtype)
+        return newton_schulz(update, group["ns_steps"], self.newton_schulz_dtype(update.device))
+
+    def newton_schulz_dtype(self, device: torch.device) -> torch.dtype:
+        """The precision Newton–Schulz runs in on `device` (see ns_dtype above)."""
+        return self.ns_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
     @staticmethod
     def _decay_and_step(p, group, update):
@@ -202,7 +205,8 @@ class Muon(torch.optim.Optimizer):
         """This rank's rows of each orthogonalised update (tests/dist_muon.py overrides it
         with the mistake the parity test must catch: orthogonalising the rows alone)."""
         return orthogonalize_on_owners(params, updates,
-                                       lambda wholes: self._orthogonalize_bucket(wholes, group))
+                                       lambda wholes: self._orthogonalize_bucket(wholes, group),
+                                       self.newton_schulz_dtype(updates[0].device))
 
 
 # ---------------------------------------------------------------------------------------
@@ -239,12 +243,18 @@ def row_counts(rows: int, world: int) -> list[int]:
     return [max(0, min(chunk, rows - rank * chunk)) for rank in range(world)]
 
 
-def orthogonalize_on_owners(params, local_rows, orthogonalize) -> list[torch.Tensor]:
+def orthogonalize_on_owners(params, local_rows, orthogonalize,
+                            dtype: torch.dtype) -> list[torch.Tensor]:
     """Owner-computes Newton–Schulz of n same-shape row-sharded updates, in two all-to-alls;
     every rank calls it alike.
 
     params: the n (rows, cols) DTensor parameters; local_rows: this rank's rows of each
-    update; orthogonalize(wholes) runs Newton–Schulz on a list of whole matrices. Matrix i
+    update; orthogonalize(wholes) runs Newton–Schulz on a list of whole matrices; dtype is
+    the one it runs in. The pieces travel in that dtype both ways (bf16 for a bf16 run: half
+    the bytes of fp32, as modded-nanogpt and nanochat send): Newton–Schulz would cast the
+    whole matrices to it first and its results come out in it, so casting the rows before
+    they leave, and the results back to the update's dtype on arrival, changes no bit of
+    the update. Matrix i
     belongs to rank i % W (the W ranks' shares differ by one matrix at most), in its slot
     i // W of k = ceil(n / W) slots. Every piece is padded to ceil(rows / W) rows and every
     rank to k slots, so that all pieces have one shape:
@@ -257,7 +267,7 @@ def orthogonalize_on_owners(params, local_rows, orthogonalize) -> list[torch.Ten
     rows, cols = params[0].shape
     counts, slots = row_counts(rows, world), -(-len(params) // world)
     # outgoing[slot, owner]: this rank's rows of matrix slot·W + owner, padded
-    outgoing = local_rows[0].new_zeros(slots, world, counts[0], cols)
+    outgoing = local_rows[0].new_zeros(slots, world, counts[0], cols, dtype=dtype)
     for i, piece in enumerate(local_rows):
         outgoing[i // world, i % world, :len(piece)] = piece
     incoming = all_to_all(outgoing, group)  # [slot, sender]: the sender's rows of my matrix
@@ -269,7 +279,8 @@ def orthogonalize_on_owners(params, local_rows, orthogonalize) -> list[torch.Ten
         for receiver, piece in enumerate(whole.split(counts)):
             results[i // world, receiver, :len(piece)] = piece
     returned = all_to_all(results, group)  # [slot, owner]: my rows of the owner's matrix
-    return [returned[i // world, i % world, :len(piece)] for i, piece in enumerate(local_rows)]
+    return [returned[i // world, i % world, :len(piece)].to(piece.dtype)
+            for i, piece in enumerate(local_rows)]
 
 
 def all_to_all(pieces: torch.Tensor, group) -> torch.Tensor:

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -300,6 +301,21 @@ class InFlight(NamedTuple):
 SAVE_WAIT_S = 300
 
 
+def stager_for(device: torch.device) -> DefaultStager | None:
+    """How a background save stages its copy on `device`. On a CUDA GPU: DCP's DefaultStager
+    into pinned host memory, by non-blocking device-to-host copies it waits for before
+    `async_save` returns (torchtitan's async_with_pinned_mem, in this process's thread),
+    its pinned buffers kept from one save to the next. Elsewhere None, DCP's own default
+    (plain memory, blocking copies): a CPU has nothing to copy from a device, and DCP
+    refuses non-blocking copies without an accelerator."""
+    if device.type != "cuda":
+        return None
+    # Shared memory is for a writer in another process; staging waits (not async) so that
+    # the next optimizer step cannot change what is written.
+    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=True))
+
+
 class Saver:
     """Writes the run's checkpoints: each out_dir/ckpt/step_XXXXXXX atomically, in one of two
     ways.
@@ -307,7 +323,8 @@ class Saver:
     - Blocking (the default): the loop waits while every byte is written.
     - In the background (ckpt_async, torchtitan's checkpoint.async_mode = "async"): DCP's
       async_save first stages the weights and both optimizers, a copy in memory made before
-      `save` returns, so the next optimizer step cannot change what is written; a thread
+      `save` returns (on a GPU into pinned host memory: `stager_for`), so the next optimizer
+      step cannot change what is written; a thread
       then writes the copy while the loop trains on. It is still written into
       step_XXXXXXX.tmp and renamed (and only then counted, resumed from or pruned) once
       every rank's write is done, which `poll` checks at every step. At most one save is in
@@ -323,6 +340,7 @@ class Saver:
     def __init__(self, accelerator, in_background: bool):
         self.accelerator, self.in_background = accelerator, in_background
         self.in_flight: InFlight | None = None
+        self.stager = stager_for(accelerator.device) if in_background else None
         self.group = dist.new_group(backend="gloo",
                                     timeout=datetime.timedelta(seconds=SAVE_WAIT_S)) \
             if in_background and dist.is_initialized() else None
@@ -331,7 +349,15 @@ class Saver:
         return self
 
     def __exit__(self, exc_type, exc, traceback):
-        if exc_type is None:
+        try:
+            self.leave(exc_type is None)
+        finally:
+            if self.stager is not None:  # its pinned buffers, once no write reads them
+                self.stager.close()
+
+    def leave(self, cleanly: bool):
+        """Wait for the save in flight: complete it, or after an error only let it finish."""
+        if cleanly:
             self.wait()
         elif self.in_flight is not None:
             # After an error the write is let finish (the process group outlives it), but not
@@ -378,7 +404,8 @@ class Saver:
             self.begin(tmp, train_state)
         model_sd, optim_sd = get_state_dict(model, optimizers)
         future = dcp.async_save({"model": model_sd, "optim": optim_sd},
-                                checkpoint_id=str(tmp), process_group=self.group)
+                                checkpoint_id=str(tmp), process_group=self.group,
+                                async_stager=self.stager)
         self.in_flight = InFlight(future, step, tmp, prune, started,
                                   time.perf_counter() - started)
         return done
