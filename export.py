@@ -125,7 +125,7 @@ def another_checkpoint(out_dir, ckpt: Path) -> str:
 def checkpoint_model(ckpt: Path, state: dict) -> StackConfig:
     """The model shape the checkpoint was trained with, from its train_state.json."""
     try:
-        return StackConfig(**state["config"]["model"])
+        return StackConfig.from_saved(state["config"]["model"])
     except (KeyError, TypeError) as e:
         raise ValueError(f"{ckpt}/train_state.json holds no readable model config "
                          f"({type(e).__name__}: {e}); export a checkpoint this trainer "
