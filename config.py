@@ -195,9 +195,9 @@ class TrainConfig:
                                    "blocks)")
     keep_last_ckpts: int = knob(5, "newest checkpoints kept in out_dir/ckpt; older ones are "
                                    "deleted, except where a data stage or the decay begins")
-    resume: str = knob("auto", "auto | none | PATH: auto is the newest checkpoint in out_dir; "
-                       "PATH elsewhere is where a branched run begins (it continues its own "
-                       "checkpoints once it has them)")
+    resume: str = knob("latest", "latest | none | PATH: latest is the newest checkpoint in "
+                       "out_dir; PATH elsewhere is where a branched run begins (it continues "
+                       "its own checkpoints once it has them)")
     init_from: str | None = knob(None, "a transformers folder (Llama, Qwen3, SmolLM3, stacklm's "
                                        "export): its config.json sets the model's shape, its "
                                        "weights a fresh run's start (a checkpoint wins)")

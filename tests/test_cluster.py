@@ -175,7 +175,7 @@ def test_slurm_script_on_two_nodes_saves_on_sigterm_requeues_and_continues_its_b
     word, stopped_at = outcome(tmp_path / f"stacklm-{JOB_ID}.node0")
     assert word == "stopped" and 3 <= stopped_at < 60
     assert outcome(tmp_path / f"stacklm-{JOB_ID}.node1") == ("stopped", stopped_at)
-    assert checkpoint.find(cfg.out_dir, "auto") == checkpoint.step_path(cfg.out_dir, stopped_at)
+    assert checkpoint.find(cfg.out_dir, "latest") == checkpoint.step_path(cfg.out_dir, stopped_at)
     assert (tmp_path / "stubs.log").read_text().splitlines()[-1] == f"requeue {JOB_ID}"
     assert processes_of(cfg.out_dir) == []
 
@@ -340,7 +340,7 @@ def test_sigterm_to_the_launcher_alone_saves_and_records_the_stop(small_data_dir
     assert output.count("stop requested after step") == 1, output[-3000:]  # rank 0 prints it
     word, stopped_at = outcome(tmp_path / "out")
     assert word == "stopped" and 3 <= stopped_at < 60, output[-3000:]
-    assert checkpoint.find(cfg.out_dir, "auto") == checkpoint.step_path(cfg.out_dir, stopped_at)
+    assert checkpoint.find(cfg.out_dir, "latest") == checkpoint.step_path(cfg.out_dir, stopped_at)
     assert not list(checkpoint.ckpt_root(cfg.out_dir).glob("*.tmp"))
     assert processes_of(cfg.out_dir) == []
 
@@ -379,7 +379,7 @@ def test_a_sigterm_that_reaches_one_rank_stops_every_rank_at_the_same_step(small
     assert launcher.returncode == 0, output[-3000:]
     word, stopped_at = outcome(tmp_path / "out")
     assert word == "stopped" and 3 <= stopped_at < 60
-    assert checkpoint.find(cfg.out_dir, "auto") == checkpoint.step_path(cfg.out_dir, stopped_at)
+    assert checkpoint.find(cfg.out_dir, "latest") == checkpoint.step_path(cfg.out_dir, stopped_at)
     assert f"stop requested after step {stopped_at}" in output
 
 
@@ -520,7 +520,7 @@ def test_a_sigterm_during_setup_stops_the_run_after_its_first_step(small_data_di
         signal.signal(signal.SIGTERM, previous)
     assert escaped == []
     assert outcome(tmp_path / "out") == ("stopped", 1)
-    assert checkpoint.find(str(tmp_path / "run"), "auto").name == "step_0000001"
+    assert checkpoint.find(str(tmp_path / "run"), "latest").name == "step_0000001"
 
 
 # --- the launch config -----------------------------------------------------------------
