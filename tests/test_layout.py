@@ -57,7 +57,7 @@ def test_each_file_imports_what_its_docstring_says(module):
     assert declared_imports(ast.get_docstring(tree)) == actual_imports(tree)
 
 
-# README's Reading order: the plumbing that the lesson files compose imports the lesson's
+# docs/contributing.md: the plumbing that the lesson files compose imports the lesson's
 # config and data, the shared cli and shards, at most, plus what each extra is named for.
 PLUMBING = ("checkpoint", "devices", "launch", "resume", "log", "downstream", "cli", "shards",
             "overrides", "chunked_loss", "rms_norm", "hf_import", "report", "prepare")
@@ -118,7 +118,7 @@ def test_the_circle_finder_finds_one():
 
 
 PLUMBING_FILES = {p.stem for p in (REPO / "plumbing").glob("*.py")} - {"__init__"}
-# What a lesson part may import from plumbing/, each for its reason; README's Reading order
+# What a lesson part may import from plumbing/, each for its reason; docs/contributing.md
 # names them. train.py composes the plumbing from above, so it is not one of these parts.
 LESSON_PARTS = ("config", "model", "data", "optim")
 LESSON_FROM_PLUMBING = {
@@ -188,3 +188,15 @@ def test_the_prose_rule_reads_what_it_must():
     clean = '"""(B, T, H, D); ~2.75 x d_model; arXiv 2404.06395; 16 × 256 × 4,096; 0.2·lr."""\n' \
             "y = a % 2  # layer (i + 1) % 4, PaLM's z-loss, 1e-4\n"
     assert figures_and_issues(clean) == set()
+
+
+def test_the_reading_order_names_every_file_on_one_screen():
+    """README's Reading order names each file of the lesson, the commands and plumbing/, in
+    at most 40 lines; the import rules live on docs/contributing.md, which it links."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Reading order\n"):]
+    section = section[:section.index("\n## ")]
+    assert len(section.splitlines()) <= 40
+    named = set(re.findall(r"`(\w+)(?:\.py)?`", section))
+    assert {p.stem for p in REPO.glob("*.py")} | PLUMBING_FILES <= named
+    assert "(docs/contributing.md)" in section
