@@ -99,7 +99,7 @@ def uses_rope(cfg: StackConfig, layer: int) -> bool:
 # ---------------------------------------------------------------------------------------
 
 @functools.cache
-def compiled(kernel, **options):
+def compiled_kernel(kernel, **options):
     """torch.compile(kernel), made on first use: only the CUDA path runs these, and the
     first torch.compile imports the compiler (seconds a CPU run never needs). Eager
     flex_attention materialises the (T, T) score matrix; compiled, it is one fused kernel
@@ -138,7 +138,7 @@ def document_block_mask(seq_ids) -> BlockMask:
     def same_document_causal(b, h, q_idx, kv_idx):
         return (seq_ids[b, q_idx] == seq_ids[b, kv_idx]) & (q_idx >= kv_idx)
 
-    build = compiled(create_block_mask) if seq_ids.is_cuda else create_block_mask
+    build = compiled_kernel(create_block_mask) if seq_ids.is_cuda else create_block_mask
     return build(same_document_causal, B, None, T, T, device=seq_ids.device)
 
 
@@ -165,7 +165,7 @@ def attention(q, k, v, mask):
         # (a cached compiled copy called there is traced as an opaque function, which dynamo
         # warns may be silently wrong); called eagerly, it needs a compiled copy of its own.
         flex = flex_attention if torch.compiler.is_compiling() else \
-            compiled(flex_attention, dynamic=False)
+            compiled_kernel(flex_attention, dynamic=False)
         return flex(q, k, v, block_mask=mask, enable_gqa=True)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

@@ -152,7 +152,7 @@ def setup(cfg: TrainConfig, force: bool = False) -> Run:
         loader = data.MixtureLoader(plan.stages, cfg.seq_len, cfg.micro_batch_size,
                                     accelerator.process_index, accelerator.num_processes,
                                     seed=cfg.seed)
-    model = build_model(cfg, plan.compile)
+    model = build_model(cfg, plan.compile_blocks)
     bf16 = accelerator.mixed_precision == "bf16"
     if plan.sharded:  # before the optimizers are built, so they hold the sharded parameters
         model = shard_model(model, accelerator.device, bf16,
@@ -294,7 +294,7 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def build_model(cfg: TrainConfig, compile_model: bool) -> Transformer:
+def build_model(cfg: TrainConfig, compile_blocks: bool) -> Transformer:
     """The model, seeded so every rank starts from identical weights. Each block is compiled
     on its own (torchtitan's regional compilation): fast, and FSDP2's hooks, added later
     around each block, stay outside the compiled code, which whole-model compiling skips."""
@@ -303,7 +303,7 @@ def build_model(cfg: TrainConfig, compile_model: bool) -> Transformer:
     model.loss_head_dtype = cfg.loss_head_dtype
     for layer, block in enumerate(model.blocks):  # recompute, then compile, then shard
         block.recompute = cfg.block_recompute(layer)
-    if compile_model:
+    if compile_blocks:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block)
     return model

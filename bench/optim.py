@@ -106,7 +106,7 @@ def sharded_worker(repeats: int):
     rank 0 prints the line."""
     dist.init_process_group("gloo")
     cfg = TrainConfig()
-    model = train.shard_model(train.build_model(cfg, compile_model=False),
+    model = train.shard_model(train.build_model(cfg, compile_blocks=False),
                               torch.device("cpu"), bf16=False)
     muon = build_optimizers(model, cfg).named["muon"]
     matrices = with_gradients(model, muon)

@@ -191,7 +191,7 @@ def complete_checkpoints(out_dir) -> list[Path]:
 
 def newest(out_dir) -> str:
     """The newest complete checkpoint's path, for messages, or "none"."""
-    return str(find(out_dir, "auto") or "none")
+    return str(find(out_dir, "latest") or "none")
 
 
 def set_aside(path: Path, reason: str) -> Path:
@@ -206,15 +206,16 @@ def set_aside(path: Path, reason: str) -> Path:
     return target
 
 
-# What other trainers call the newest checkpoint: stacklm's word is auto.
-NEWEST_ELSEWHERE = ("latest", "last", "newest")
+# Other words for the newest checkpoint: other trainers', and stacklm's own before it was
+# named latest (auto, which for precision and compile means what this machine does best).
+NEWEST_ELSEWHERE = ("auto", "last", "newest")
 
 
 def find(out_dir, resume: str) -> Path | None:
-    """`resume`: "none", a checkpoint path, or "auto" = the newest complete checkpoint."""
+    """`resume`: "none", a checkpoint path, or "latest" = the newest complete checkpoint."""
     if resume == "none":
         return None
-    if resume == "auto":
+    if resume == "latest":
         done = complete_checkpoints(out_dir)
         return done[-1] if done else None
     check_spelling(resume)
@@ -226,10 +227,10 @@ def find(out_dir, resume: str) -> Path | None:
 
 def check_spelling(resume: str):
     """Refuse a --resume PATH that cannot mean a checkpoint folder, whether or not the run
-    reads it: another trainer's word for the newest, or a checkpoint's train_state.json."""
+    reads it: another word for the newest, or a checkpoint's train_state.json."""
     path = Path(resume)
     if resume in NEWEST_ELSEWHERE and not path.exists():
-        raise ValueError(f"resume={resume}: the newest checkpoint is --resume=auto here (the "
+        raise ValueError(f"resume={resume}: the newest checkpoint is --resume=latest here (the "
                          f"default); or name a checkpoint folder, out_dir/ckpt/step_XXXXXXX")
     if path.name == "train_state.json":
         raise ValueError(f"resume={resume} is the checkpoint's train_state.json; name the folder "
@@ -251,7 +252,7 @@ def write_error(step: int, tmp: Path, error: BaseException, how: str) -> Checkpo
     instead, and the fix. A full disk is named by where it is mounted: the error DCP's
     writer meets names no file."""
     out_dir = tmp.parent.parent
-    found = find(out_dir, "auto")
+    found = find(out_dir, "latest")
     before = f"the newest complete checkpoint is still {found}" if found else \
         "there is no complete checkpoint before it"
     full = getattr(cause(error), "errno", None) in (errno.ENOSPC, errno.EDQUOT)

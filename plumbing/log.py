@@ -185,7 +185,7 @@ class Hardware:
     compiled: bool
     device_name: str = ""  # e.g. "NVIDIA H200", or the CPU's model and core count
     torch: str = torch.__version__
-    precision_why: str = ""  # e.g. "auto: this CPU computes bf16 natively" (launch.precision)
+    precision_why: str = ""  # e.g. "auto: this CPU computes bf16 natively" (launch.mixed_precision)
     compile_why: str = ""  # e.g. "auto: a GPU" (launch.use_compile)
 
 
@@ -193,7 +193,7 @@ def hardware(accelerator, sharded: bool, compiled: tuple[bool, str],
              precision_why: str) -> Hardware:
     """The Hardware an accelerate.Accelerator runs on; FSDP2 where train.py sharded the model
     (accelerate's own distributed type says MULTI_CPU there on a CPU). `compiled` and
-    `precision_why` are launch.use_compile's and launch.precision's choices and reasons."""
+    `precision_why` are launch.use_compile's and launch.mixed_precision's choices and reasons."""
     distributed = "FSDP2" if sharded else accelerator.distributed_type.value
     return Hardware(accelerator.num_processes, str(accelerator.device), distributed,
                     accelerator.mixed_precision, compiled[0], device_name(accelerator.device),

@@ -81,7 +81,7 @@ def test_a_save_that_fails_partway_leaves_no_complete_checkpoint(tmp_path, monke
     monkeypatch.setattr(checkpoint, "rng_state", crash)  # called after the DCP write
     with pytest.raises(OSError, match="disk full"):
         save(model, optimizers, tmp_path, step=2)
-    assert checkpoint.find(tmp_path, "auto") == tmp_path / "ckpt" / "step_0000001"
+    assert checkpoint.find(tmp_path, "latest") == tmp_path / "ckpt" / "step_0000001"
     assert not (tmp_path / "ckpt" / "step_0000002").exists()
     assert (tmp_path / "ckpt" / "step_0000002.tmp").exists()
 
@@ -93,7 +93,7 @@ def test_non_finite_weights_are_never_written(tmp_path):
         next(model.parameters())[0, 0] = float("nan")
     with pytest.raises(RuntimeError, match="non-finite values; refusing"):
         save(model, optimizers, tmp_path, step=2)
-    assert checkpoint.find(tmp_path, "auto") == tmp_path / "ckpt" / "step_0000001"
+    assert checkpoint.find(tmp_path, "latest") == tmp_path / "ckpt" / "step_0000001"
 
 
 def test_find_ignores_partial_checkpoints_and_save_prunes(tmp_path):
@@ -104,7 +104,7 @@ def test_find_ignores_partial_checkpoints_and_save_prunes(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["step_0000004", "step_0000006"]
     (root / "step_0000008.tmp").mkdir()  # what a crash mid-save leaves behind
     (root / "step_0000010").mkdir()  # a folder without train_state.json is not complete
-    assert checkpoint.find(tmp_path, "auto") == root / "step_0000006"
+    assert checkpoint.find(tmp_path, "latest") == root / "step_0000006"
     assert checkpoint.find(tmp_path, "none") is None
     with pytest.raises(FileNotFoundError, match="train_state.json"):
         checkpoint.find(tmp_path, str(root / "step_0000010"))

@@ -425,11 +425,11 @@ def test_block_compiles_without_graph_breaks(with_seq_ids):
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_a_compiled_block_traces_flex_attention_itself(monkeypatch):
     """Inside a compiled block flex_attention is compiled with the block: the cached
-    compiled copy (model.compiled), which eager calls need, is not reached while tracing
-    (dynamo warns that a functools.cache'd function it traces may be silently wrong). A CPU
-    BlockMask takes the CUDA path's lines, forward only."""
+    compiled copy (model.compiled_kernel), which eager calls need, is not reached while
+    tracing (dynamo warns that a functools.cache'd function it traces may be silently
+    wrong). A CPU BlockMask takes the CUDA path's lines, forward only."""
     reached = []
-    monkeypatch.setattr(M, "compiled", lambda kernel, **options: reached.append(kernel) or
+    monkeypatch.setattr(M, "compiled_kernel", lambda kernel, **options: reached.append(kernel) or
                         (lambda *args, **kwargs: kernel(*args, **kwargs)))
     block = small_model().blocks[0]
     x = torch.randn(2, 128, 32)
@@ -823,7 +823,7 @@ def test_loss_head_dtype_knob_reaches_the_head():
 
     cfg = overrides.apply_overrides(config.tiny(), {"loss_head_dtype": "bf16",
                                                  "model.ce_chunk_size": 1024})
-    assert train.build_model(cfg, compile_model=False).loss_head_dtype == "bf16"
+    assert train.build_model(cfg, compile_blocks=False).loss_head_dtype == "bf16"
     with pytest.raises(ValueError, match="loss_head_dtype=bf16 sets the chunked loss head's "
                                          "matmul inputs, and model.ce_chunk_size=0"):
         overrides.apply_overrides(config.tiny(), {"loss_head_dtype": "bf16"})
