@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-LESSON = {"train", "model", "data", "optim", "config"}
+LESSON = {"train", "model", "loss", "data", "optim", "config"}
 COMMANDS = {"prepare", "export", "sample", "report"}
 FILES = {p.stem: p for p in [*REPO.glob("*.py"), *(REPO / "plumbing").glob("*.py")]
          if p.stem not in ("__init__", "hf_modeling_stacklm")}  # the latter: an export's file
@@ -54,7 +54,7 @@ def test_each_file_imports_what_its_docstring_says(module):
 # README's Reading order: the plumbing that the lesson files compose imports the lesson's
 # config and data, the shared cli and shards, at most, plus what each extra is named for.
 PLUMBING = ("checkpoint", "devices", "launch", "resume", "log", "downstream", "cli", "shards",
-            "overrides", "chunked_loss", "rms_norm", "hf_import", "report", "prepare")
+            "overrides", "hf_import", "report", "prepare")
 PLUMBING_IMPORTS = {"config", "cli", "data", "shards"}
 PLUMBING_EXTRAS = {"log": {"model"}, "downstream": {"prepare"}, "prepare": {"checkpoint"},
                    "resume": {"checkpoint", "hf_import"}, "hf_import": {"model"},
