@@ -85,7 +85,7 @@ def test_the_plain_head_is_cross_entropy_on_the_logits_and_equals_the_chunked_on
     not dividing the 24 rows), never the chunked head; the chunked head on the same weights
     gives the same loss and tied gradient."""
     ids, targets = torch.randint(0, 97, (2, 12)), torch.randint(0, 97, (2, 12))
-    targets[1, -4:] = -100
+    targets[1, 3:7] = -100  # ignored rows inside a chunk, not the last chunk's
     plain, chunked = small_model(ce_chunk_size=0), small_model(ce_chunk_size=7)
     monkeypatch.setattr(M, "PLAIN_ROWS", 5)
     with monkeypatch.context() as m:
