@@ -105,7 +105,7 @@ def tiny_model() -> StackConfig:
     """About 4M parameters: trains on a laptop CPU in minutes (vocab of the 4k tokenizer)."""
     return StackConfig(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2,
                        intermediate=704, max_seq_len=256,
-                       # the plain head: its logits are 16 × 256 × 4,096 fp32, 64 MiB
+                       # the plain head: all 16 × 256 rows of 4,096 logits at once
                        ce_chunk_size=0)
 
 

@@ -16,8 +16,7 @@ Shape letters: B batch, T tokens in a row, S keys (T, or the cache length when
 generating), C model width (d_model), H query heads, K key/value heads, D head dim,
 V vocabulary, N = B·T rows of the loss head.
 
-Imports from stacklm: chunked_loss (the loss heads' kernels), config (the model's shape) and
-rms_norm (RMSNorm's backward, written out).
+Imports from stacklm: config (the model's shape) and loss (the chunked loss head).
 """
 
 import contextlib
@@ -30,12 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
-                                    create_selective_checkpoint_contexts)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from config import StackConfig
-from plumbing.chunked_loss import fused_ce_z_loss, logits_ce_z_loss
-from plumbing.rms_norm import rms_norm
+from loss import fused_ce_z_loss
 
 # ---------------------------------------------------------------------------------------
 # Normalisation and rotary position embedding
@@ -49,8 +46,7 @@ class RMSNorm(nn.Module):
         RMSNorm(x) = x · rsqrt(mean(x²) + eps) · weight   over the last dim
 
     The mean of squares is taken in fp32 (in bf16 it loses the small components), and the
-    result is in x's dtype. plumbing/rms_norm.py computes it with its backward written out,
-    in fewer passes than eager autograd makes of these ops."""
+    result is in x's dtype. A compiled block fuses these ops and their backward."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -58,7 +54,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
+        x32 = x.float()
+        rms = torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)  # (..., 1)
+        return (x32 * rms * self.weight.float()).type_as(x)
 
 
 def rope_cos_sin(position_ids, head_dim: int, theta: float):
@@ -258,9 +256,11 @@ class Block(nn.Module):
         if self.recompute == "none" or not torch.is_grad_enabled():
             return self.residual(x, cos, sin, mask, kv_cache)
         if self.recompute == "full":
-            return checkpoint(self.residual, x, cos, sin, mask, use_reentrant=False)
-        return checkpoint(self.residual, x, cos, sin, mask, use_reentrant=False,
-                          context_fn=selective_recompute)
+            return torch.utils.checkpoint.checkpoint(self.residual, x, cos, sin, mask,
+                                                     use_reentrant=False)
+        return torch.utils.checkpoint.checkpoint(self.residual, x, cos, sin, mask,
+                                                 use_reentrant=False,
+                                                 context_fn=selective_recompute)
 
     def residual(self, x, cos, sin, mask, kv_cache: KVCache | None = None):
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, kv_cache)
@@ -302,8 +302,12 @@ def selective_recompute():
 
 
 # ---------------------------------------------------------------------------------------
-# The loss: cross-entropy + z-loss, plainly (the chunked head: chunked_loss.py)
+# The loss: cross-entropy + z-loss (the chunked head at scale: loss.py)
 # ---------------------------------------------------------------------------------------
+# The logits' precision, in every head: the loss (logsumexp, softmax, CE, z-loss) is computed
+# in fp32. The logits it reads are what the head's matmul writes: the plain head's in the
+# blocks' precision (bf16 under autocast, as nanoGPT's head), the chunked head's, and those
+# scoring and sampling read, in fp32 (`fp32_logits`; loss.py's matmul accumulates in fp32).
 
 
 class Loss(NamedTuple):
@@ -316,38 +320,41 @@ class Loss(NamedTuple):
 
 def reference_loss(logits, targets, z_loss: float, ignore_index: int = -100,
                    reduction: str = "mean") -> Loss:
-    """The training loss, written plainly. logits (N, V), targets (N,).
+    """The training loss. logits (N, V) in any dtype, targets (N,).
 
-    ce is the cross-entropy of the targets (in nats); z is PaLM's z-loss, z_loss·lse² with
-    lse = logsumexp of a row's logits (arXiv 2204.02311, §5): it keeps the softmax
-    normaliser near 1 and the logits from drifting in bf16. Both are summed over the
-    targets that are not ignore_index and, for "mean", divided by their number; "none"
-    keeps one number per target (N,), for scoring (downstream.py sums a choice's).
-
-    `Transformer.forward` scores with it chunk by chunk, and trains with its numbers through
-    plumbing/chunked_loss.py: when model.ce_chunk_size is 0, as `tiny` does, on the whole
-    (N, V) logits (`logits_ce_z_loss`, a chunk of rows at a time with the gradient written
-    out); when it is set, without them (`fused_ce_z_loss`): they would take 8 GiB in fp32
-    for one Stack-100M micro-batch (N = 32 × 2,048, V = 32,768), and as much again for
-    their gradient."""
-    kept = targets != ignore_index
-    if reduction == "none":  # each target's own (N,) numbers, 0 where ignored
-        ce = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")
-        z = z_loss * torch.where(kept, logits.logsumexp(dim=-1).square(), 0.0)
+    Per row with logits l, target y and lse = logsumexp(l): ce = lse − l_y, the
+    cross-entropy of the target (in nats), and z = z_loss·lse², PaLM's z-loss (arXiv
+    2204.02311, §5), which keeps the softmax normaliser near 1 and the logits from drifting
+    in bf16. One log-softmax serves both terms. Both are summed over the targets that are
+    not ignore_index and, for "mean", divided by their number; "none" keeps one number per
+    target (N,), for scoring (downstream.py sums a choice's). loss.py's chunked head
+    computes the same numbers without the (N, V) logits."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32
+    kept = targets != ignore_index  # (N,)
+    at_target = targets.masked_fill(~kept, 0)[:, None]  # (N, 1); any real index where ignored
+    log_probs = F.log_softmax(logits, dim=-1)  # (N, V): l − lse
+    log_p = log_probs.gather(1, at_target).squeeze(1)  # (N,): l_y − lse
+    lse = logits.gather(1, at_target).squeeze(1) - log_p  # (N,)
+    ce = torch.where(kept, -log_p, 0.0)  # (N,), 0 where ignored
+    z = torch.where(kept, z_loss * lse.square(), 0.0)  # (N,)
+    if reduction == "none":
         return Loss(ce + z, ce.detach(), z.detach())
-    ce = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
-    z = z_loss * logits.logsumexp(dim=-1)[kept].square().sum()
-    n = kept.sum() if reduction == "mean" else 1
+    ce, z = ce.sum(), z.sum()
+    n = kept.sum().clamp(min=1) if reduction == "mean" else 1
     return Loss((ce + z) / n, ce.detach() / n, z.detach() / n)
 
 
 def fp32_logits(hidden, weight):
     """hidden (..., C) @ weight.T (V, C) -> (..., V) fp32 logits: the matmul in fp32 whatever
-    autocast says (a bf16 one would round every logit to 8 bits of mantissa; on CUDA it runs
-    on TF32 tensor cores, launch.py's matmul precision "high"), and with fp32 operands (under
-    FSDP2's bf16 they arrive rounded, as the chunked head's do)."""
+    autocast says (on CUDA on TF32 tensor cores, launch.py's matmul precision "high"), and
+    with fp32 operands (under FSDP2's bf16 they arrive rounded, as the chunked head's do)."""
     with torch.autocast(hidden.device.type, enabled=False):
         return F.linear(hidden.float(), weight.float())
+
+
+# Rows of logits the plain head's loss takes at once: 256 × V fp32 for tiny's V = 4,096 is
+# 4 MiB, which stays in a CPU's cache between the passes over it.
+PLAIN_ROWS = 256
 
 
 # ---------------------------------------------------------------------------------------
@@ -409,8 +416,8 @@ class Transformer(nn.Module):
         if reduction != "none" and not self.cfg.ce_chunk_size:
             return self.plain_head(x, targets, reduction)
         if reduction != "none":
-            # The same number without the (N, V) logits, ce_chunk_size rows at a time: the
-            # head at scale, where one Stack-100M micro-batch's logits alone take 8 GiB.
+            # loss.py's chunked head: the same number without the (N, V) logits,
+            # ce_chunk_size rows at a time, the head at scale.
             return Loss(*fused_ce_z_loss(x, self.embed.weight, targets, self.cfg.z_loss,
                                          self.cfg.ce_chunk_size, reduction=reduction,
                                          head_dtype=self.loss_head_dtype))
@@ -424,11 +431,15 @@ class Transformer(nn.Module):
 
     def plain_head(self, hidden, targets, reduction: str) -> Loss:
         """The plain head: the tied embedding turns each hidden state (N, C) into V logits,
-        in the blocks' matmul precision (bf16 under autocast, as nanoGPT's head), and
-        reference_loss takes them in fp32. plumbing/chunked_loss.py computes it a chunk of
-        rows at a time: one logsumexp for both terms, and its gradient in one pass."""
+        in the blocks' matmul precision, and reference_loss takes them in fp32, PLAIN_ROWS
+        rows at a time (each row's loss is its own, so the sum is the same): a chunk's fp32
+        copy, softmax and gradient stay in a CPU's cache (docs/figures.md)."""
         logits = F.linear(hidden, self.embed.weight)  # (N, V)
-        return Loss(*logits_ce_z_loss(logits, targets, self.cfg.z_loss, reduction=reduction))
+        sums = [reference_loss(rows, rows_targets, self.cfg.z_loss, reduction="sum")
+                for rows, rows_targets in zip(logits.split(PLAIN_ROWS),
+                                              targets.split(PLAIN_ROWS), strict=True)]
+        n = (targets != -100).sum().clamp(min=1) if reduction == "mean" else 1
+        return Loss(*(torch.stack(part).sum() / n for part in zip(*sums, strict=True)))
 
     def logits(self, input_ids, position_ids=None, seq_ids=None, last_only=False):
         """fp32 logits (B, T, V), or (B, 1, V) of the last position with last_only."""

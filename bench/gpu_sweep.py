@@ -93,8 +93,6 @@ VARIANTS = [
             {"compile_model": "false"}, whole_compile=True, compile_s=150),
     # The CPU's speed levers that reach Stack-100M's step (its head is the chunked one), each
     # undone: a GPU must be no slower with them (bench/cpu_speed.py has the CPU's figures).
-    Variant("rms_norm_autograd", "RMSNorm by autograd, not its backward written out",
-            undo="rms_norm_backward", compile_s=60),
     Variant("ns_separate", "Newton–Schulz with its multiplies apart from the matmuls",
             undo="ns_matmul_add"),
 ]

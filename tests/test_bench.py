@@ -352,15 +352,21 @@ def test_each_levers_undoing_computes_what_the_lever_computes():
     """cpu_speed.py's levers are undone with the code they replaced: each must compute what
     the lever computes (else a lever's "gain" would compare two different things)."""
     torch.manual_seed(0)
-    x, w = torch.randn(3, 7, 16), 1 + torch.rand(16)
-    torch.testing.assert_close(cpu_speed.plain_rms_norm(x, w, 1e-6), model.rms_norm(x, w, 1e-6))
-    torch.testing.assert_close(cpu_speed.torch_rms_norm(x, w, 1e-6), model.rms_norm(x, w, 1e-6))
+    norm, x = model.RMSNorm(16, 1e-6), torch.randn(3, 7, 16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    torch.testing.assert_close(cpu_speed.torch_rms_norm(norm, x), norm(x))
     G = torch.randn(2, 24, 40)
     torch.testing.assert_close(cpu_speed.separate_multiplies(G), optim.newton_schulz(G),
                                rtol=1e-5, atol=1e-5)
-    logits, targets = torch.randn(20, 11), torch.randint(0, 11, (20,))
-    torch.testing.assert_close(cpu_speed.plain_loss(logits, targets, 1e-2, "sum"),
-                               model.logits_ce_z_loss(logits, targets, 1e-2, reduction="sum"))
+    torch.manual_seed(0)
+    tiny = model.Transformer(config.tiny_model())
+    hidden, targets = torch.randn(600, 256), torch.randint(0, 4096, (600,))
+    targets[:7] = -100
+    head = tiny.plain_head(hidden, targets, "mean")
+    for undone in (cpu_speed.whole_logits, cpu_speed.fp32_head):
+        for got, want in zip(undone(tiny, hidden, targets, "mean"), head, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 # One bad value for each benchmark, and cpu_speed's that ended in a traceback or, with

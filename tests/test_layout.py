@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-LESSON = {"train", "model", "data", "optim", "config"}
+LESSON = {"train", "model", "loss", "data", "optim", "config"}
 COMMANDS = {"prepare", "export", "sample", "report"}
 FILES = {p.stem: p for p in [*REPO.glob("*.py"), *(REPO / "plumbing").glob("*.py")]
          if p.stem not in ("__init__", "hf_modeling_stacklm")}  # the latter: an export's file
@@ -60,7 +60,7 @@ def test_each_file_imports_what_its_docstring_says(module):
 # docs/contributing.md: the plumbing that the lesson files compose imports the lesson's
 # config and data, the shared cli and shards, at most, plus what each extra is named for.
 PLUMBING = ("checkpoint", "devices", "launch", "resume", "log", "downstream", "cli", "shards",
-            "overrides", "chunked_loss", "rms_norm", "hf_import", "report", "prepare")
+            "overrides", "hf_import", "report", "prepare")
 PLUMBING_IMPORTS = {"config", "cli", "data", "shards"}
 PLUMBING_EXTRAS = {"log": {"model"}, "downstream": {"prepare"}, "prepare": {"checkpoint"},
                    "resume": {"checkpoint", "hf_import"}, "hf_import": {"model"},
@@ -120,18 +120,15 @@ def test_the_circle_finder_finds_one():
 PLUMBING_FILES = {p.stem for p in (REPO / "plumbing").glob("*.py")} - {"__init__"}
 # What a lesson part may import from plumbing/, each for its reason; docs/contributing.md
 # names them. train.py composes the plumbing from above, so it is not one of these parts.
-LESSON_PARTS = ("config", "model", "data", "optim")
+LESSON_PARTS = ("config", "model", "loss", "data", "optim")
 LESSON_FROM_PLUMBING = {
     "data": {"shards": "the manifest check: a shard is the file its manifest describes"},
 }
-# TO DELETE AT THE MERGE: model.py's loss and norm kernels, which are moving out of plumbing/
-# into the lesson; until then they are the only other arrows up.
-MOVING_INTO_THE_LESSON = {"model": {"chunked_loss", "rms_norm"}}
 
 
 @pytest.mark.parametrize("module", LESSON_PARTS)
 def test_the_lesson_imports_from_the_plumbing_only_what_is_named(module):
-    allowed = set(LESSON_FROM_PLUMBING.get(module, {})) | MOVING_INTO_THE_LESSON.get(module, set())
+    allowed = set(LESSON_FROM_PLUMBING.get(module, {}))
     assert actual_imports(ast.parse(FILES[module].read_text())) & PLUMBING_FILES <= allowed
 
 

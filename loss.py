@@ -1,17 +1,18 @@
-"""The loss heads' kernels: model.py's `reference_loss` (cross-entropy + z-loss) computed a
-chunk of rows at a time, with one logsumexp per row for both terms and the gradient
-written out in one pass.
+"""The loss head at scale: model.py's `reference_loss` (cross-entropy + z-loss) of the logits
+hidden @ weight.T, computed `chunk_size` rows at a time so that the (N, V) logits never exist
+whole (`fused_ce_z_loss`).
 
-- `fused_ce_z_loss`, the chunked head: of the logits hidden @ weight.T, which never exist
-  whole. It is the same number at the scale of Stack-100M, whose micro-batch
-  (N = 32 × 2,048 rows, V = 32,768) would hold 8 GiB of fp32 logits and as much again for
-  their gradient. `Transformer.forward` takes this head whenever `ce_chunk_size` is set.
-- `logits_ce_z_loss`, the plain head's: of logits the model made whole, in their own dtype
-  (bf16 under autocast), each chunk taken in fp32 while it is in the CPU's cache. tiny
-  trains with it.
+The loss head, not attention, dominates Stack-100M's memory: one micro-batch feeds it
+N = 32 × 2,048 rows of V = 32,768 logits, 8 GiB in fp32, and backward would make as much
+again for their gradient. `Transformer.forward` takes this head whenever `ce_chunk_size` is
+set. Forward keeps only each row's logsumexp (N floats), and backward recomputes each
+chunk's logits: one extra head matmul, paid in compute instead of memory (the idea of Cut
+Cross-Entropy, arXiv 2411.09009, and Liger's fused linear CE, arXiv 2410.10989). One
+logsumexp per row serves both terms, and backward writes the gradient in one pass over each
+chunk. Its logits are fp32 (model.py's loss section says which head keeps which precision).
 
-tests/test_chunked_loss.py checks both against `reference_loss`, gradcheck and rounding
-bounds.
+tests/test_loss.py checks it against `reference_loss`, F.cross_entropy, gradcheck and the
+rounding bounds of bf16 operands.
 
 Imports from stacklm: nothing.
 """
@@ -20,14 +21,7 @@ import torch
 
 
 class ChunkedCrossEntropyZLoss(torch.autograd.Function):
-    """`reference_loss` of the logits hidden @ weight.T, computed `chunk_size` rows at a
-    time, so the (N, V) logits never exist. Forward keeps only each row's logsumexp (N
-    floats), and backward recomputes each chunk's logits: one extra head matmul, paid in
-    compute instead of memory (the idea of Cut Cross-Entropy, arXiv 2411.09009, and
-    Liger's fused linear CE, arXiv 2410.10989). Logits are fp32 even for bf16 inputs (fp64
-    for fp64).
-
-    Per row with logits l, softmax p, lse = logsumexp(l), target y and weight g
+    """Per row with logits l, softmax p, lse = logsumexp(l), target y and weight g
     (g = upstream grad × 1/N_valid for "mean", 0 on ignored rows):
         loss = g · (lse − l_y + z·lse²)
         dloss/dl = g · (p · (1 + 2z·lse) − onehot(y))
@@ -37,12 +31,13 @@ class ChunkedCrossEntropyZLoss(torch.autograd.Function):
     accumulates and writes fp32 (`head_matmul`), and logits, softmax, logsumexp and the loss
     stay fp32: the only new error is the operands' rounding, at most 2^-8 relative each.
     "fp32" keeps fp32 operands (which CUDA runs as TF32 under the trainer's matmul setting).
+    Logits are fp64 for fp64 inputs (gradcheck).
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, z_loss, chunk_size, ignore_index, reduction,
                 head_dtype):
-        # Autocast would run the head matmul in bf16; the logits must be fp32.
+        # Autocast would run the head matmul in bf16 and write bf16 logits.
         with torch.autocast(hidden.device.type, enabled=False):
             dtype = torch.promote_types(hidden.dtype, torch.float32)  # logits, lse, grads
             operand = torch.bfloat16 if head_dtype == "bf16" else dtype  # matmul inputs
@@ -122,72 +117,6 @@ def head_matmul(a, b, dtype: torch.dtype, out=None):
     return torch.mm(a.to(dtype), b.to(dtype), out=out)
 
 
-class LogitsCrossEntropyZLoss(torch.autograd.Function):
-    """`reference_loss` of logits the model already made (the plain head's), in their own
-    dtype (bf16 under autocast), computed LOGITS_CHUNK rows at a time in fp32: each
-    chunk's fp32 copy stays in the cache, and no (N, V) fp32 copy of the logits or of their
-    gradient is made. One logsumexp per row serves both terms; backward writes the gradient
-    autograd would give (ChunkedCrossEntropyZLoss has the formula) in one pass over each
-    chunk, in the logits' dtype. Eager autograd of the plain expression makes the softmax
-    once for each term and the one-hot as an (N, V) tensor of its own."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, z_loss, ignore_index, reduction):
-        valid = targets != ignore_index  # (N,)
-        safe_targets = targets.masked_fill(~valid, 0)  # any real index; masked below
-        dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 (fp64 for fp64)
-        lse = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)  # (N,)
-        buffer = chunk_buffer(*logits.shape, LOGITS_CHUNK, dtype, logits.device)  # reused
-        for rows in row_chunks(logits.shape[0], LOGITS_CHUNK):
-            chunk = buffer[: len(lse[rows])].copy_(logits[rows])  # (chunk, V) in fp32
-            # logsumexp in place: torch.logsumexp would allocate a second (chunk, V).
-            row_max = chunk.amax(dim=-1, keepdim=True)  # (chunk, 1)
-            lse[rows] = (row_max + chunk.sub_(row_max).exp_().sum(-1, keepdim=True).log()
-                         ).squeeze(1)
-        target_logit = logits.gather(1, safe_targets[:, None]).squeeze(1).to(dtype)  # (N,)
-        divisor = valid.sum().clamp(min=1) if reduction == "mean" else lse.new_ones(())
-        ce = torch.where(valid, lse - target_logit, 0.0).sum() / divisor
-        z = torch.where(valid, z_loss * lse.square(), 0.0).sum() / divisor
-        ctx.save_for_backward(logits, safe_targets, valid, lse)
-        ctx.z_loss, ctx.divisor = z_loss, divisor
-        ctx.mark_non_differentiable(ce, z)
-        return ce + z, ce, z
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_ce, _grad_z):
-        logits, targets, valid, lse = ctx.saved_tensors
-        g = torch.where(valid, grad_loss / ctx.divisor, 0.0)  # (N,) each row's weight
-        softmax_scale = g * (1 + 2 * ctx.z_loss * lse)  # (N,)
-        grad_logits = torch.empty_like(logits)
-        buffer = chunk_buffer(*logits.shape, LOGITS_CHUNK, lse.dtype, logits.device)  # reused
-        for rows in row_chunks(logits.shape[0], LOGITS_CHUNK):
-            # in the buffer, in fp32: the saved logits are never written over
-            dlogits = buffer[: len(lse[rows])].copy_(logits[rows]).sub_(lse[rows, None]).exp_()
-            dlogits.mul_(softmax_scale[rows, None])
-            dlogits.scatter_add_(1, targets[rows, None], -g[rows, None])
-            grad_logits[rows] = dlogits  # (chunk, V), in the logits' dtype
-        return grad_logits, None, None, None, None
-
-
-# Rows of logits the plain head's loss takes at once: 256 × V fp32 for tiny's V = 4,096 is
-# 4 MiB, which stays in a CPU's cache between the passes over it (docs/figures.md).
-LOGITS_CHUNK = 256
-
-
-def row_chunks(n: int, size: int) -> list[slice]:
-    return [slice(start, start + size) for start in range(0, n, size)]
-
-
-def logits_ce_z_loss(logits, targets, z_loss: float, ignore_index: int = -100,
-                     reduction: str = "mean"):
-    """reference_loss(logits, targets, z_loss) -> (loss, ce, z), the same numbers without an
-    fp32 copy of the (N, V) logits (LogitsCrossEntropyZLoss). logits (N, V) in any dtype,
-    targets (N,). `loss` is differentiable; `ce` and `z` are detached, for logging."""
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction={reduction!r} must be 'mean' or 'sum'")
-    return LogitsCrossEntropyZLoss.apply(logits, targets, z_loss, ignore_index, reduction)
-
-
 def fused_ce_z_loss(hidden, weight, targets, z_loss: float, chunk_size: int,
                     ignore_index: int = -100, reduction: str = "mean", head_dtype: str = "fp32"):
     """reference_loss(hidden @ weight.T, targets, z_loss), the same number without the
@@ -196,12 +125,10 @@ def fused_ce_z_loss(hidden, weight, targets, z_loss: float, chunk_size: int,
     hidden (N, C), weight (V, C), targets (N,). Returns (loss, ce, z): `loss` = ce + z is
     differentiable (gradients for hidden and weight, in their dtypes); `ce` and `z` are
     detached, for logging. "mean" divides by the number of non-ignored targets, "sum" does
-    not (the trainer normalises by the global token count itself). `head_dtype` "bf16" runs
-    the head matmuls on bf16 operands with fp32 accumulation (see ChunkedCrossEntropyZLoss).
+    not (the trainer normalises by the global token count itself). `head_dtype` is
+    TrainConfig.loss_head_dtype ("fp32" or "bf16": bf16 operands, fp32 accumulation).
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction={reduction!r} must be 'mean' or 'sum'")
-    if head_dtype not in ("fp32", "bf16"):
-        raise ValueError(f"head_dtype={head_dtype!r} must be 'fp32' or 'bf16'")
     return ChunkedCrossEntropyZLoss.apply(hidden, weight, targets, z_loss, chunk_size,
                                           ignore_index, reduction, head_dtype)
