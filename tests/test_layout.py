@@ -152,8 +152,6 @@ ISSUE_NUMBER = re.compile(r"(?i)\b(?:issues?|PR|pull request)\s*#?\d+|(?<![\w/&#
 # A speed-up (1.29×, 1.04x), a share (48%), a rate (5,744 tokens/s), a time (8.4 s, 12 ms).
 MEASURED = re.compile(r"\d+\.\d+\s?×|\d+\.\d+x(?!\w)|\d+(?:\.\d+)?\s?%|\d[\d,.]*\s?(?:tokens/s|"
                       r"tok/s|ms|µs|s/step|it/s|TFLOP/s|GB/s|GiB/s)\b|\d+\.\d+\s?s\b")
-# TO EMPTY IN THE PROSE PASS: what the lesson's prose still holds, (file, phrase).
-PENDING_PROSE = {("model.py", "#3397")}
 
 
 def prose(source: str) -> list[str]:
@@ -173,8 +171,7 @@ def figures_and_issues(source: str) -> set[str]:
 @pytest.mark.parametrize("module", sorted(LESSON))
 def test_the_lesson_prose_holds_no_issue_numbers_or_figures(module):
     """Figures move to docs/figures.md, where the prose links; histories leave the code."""
-    found = {(f"{module}.py", phrase) for phrase in figures_and_issues(FILES[module].read_text())}
-    assert found == {(file, phrase) for file, phrase in PENDING_PROSE if file == f"{module}.py"}
+    assert figures_and_issues(FILES[module].read_text()) == set()
 
 
 def test_the_prose_rule_reads_what_it_must():
