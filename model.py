@@ -337,7 +337,7 @@ class Transformer(nn.Module):
     def init_weights(self):
         """Initialise every tensor; s = cfg.init_std (0.02), L = cfg.n_layers.
         - embed.weight, also the LM head: normal(0, s), GPT-2's choice: with unit-RMS hidden
-          states the first logits have std s·√C, small, so the first loss is ≈ ln V.
+          states the first logits have std s·√C ≈ 0.45, so the first loss is ≈ ln V.
         - q_proj, k_proj, v_proj, gate_proj, up_proj: normal(0, s).
         - o_proj, down_proj, the 2L writes into the residual stream: normal(0, s/√(2L)), so
           the residual's variance does not grow with depth (GPT-2 §2.3; arXiv 1909.08053).
@@ -513,7 +513,7 @@ def count_matmul_params(cfg: StackConfig) -> int:
 
 
 def flops_per_token(cfg: StackConfig, seq_len: int, convention: str = "causal") -> float:
-    """Training FLOPs per token at sequence length s: 6 per matmul parameter (2 forward, 4
+    """Training FLOPs per token at s = seq_len: 6 per matmul parameter (2 forward, 4
     backward), and attention's 12·s·d_q per layer (d_q = H·D), with
     - "causal": 6·N + 6·L·s·d_q (Kaplan et al., arXiv 2001.08361, §2.1), N all parameters,
       attention halved by the causal mask;
