@@ -112,22 +112,28 @@ def train_config(job) -> config.TrainConfig:
     decay_steps = total_steps - schedule.warmup_steps  # torchtitan's, without decay_ratio
     if schedule.decay_ratio is not None:
         decay_steps = round(schedule.decay_ratio * total_steps)
-    return config.TrainConfig(
-        model=FLAVORS[job.model.flavor], data_dir=training.dataset_path,
-        out_dir=job.job.dump_folder, seq_len=training.seq_len,
-        micro_batch_size=training.local_batch_size,
-        global_batch_tokens=sequences * training.seq_len, total_steps=total_steps,
-        stop_at_step=training.steps, warmup_steps=schedule.warmup_steps, decay_steps=decay_steps,
-        decay_shape=schedule.decay_type, final_frac=schedule.min_lr_factor,
-        adamw_peak_lr=optimizer.lr, muon_peak_lr=job.stacklm.muon_peak_lr,
-        muon_momentum=job.stacklm.muon_momentum, muon_adjust_lr=job.stacklm.muon_adjust_lr,
-        matrix_optimizer=optimizer.name.lower(), weight_decay=optimizer.weight_decay,
-        betas=(optimizer.beta1, optimizer.beta2), grad_clip=training.max_norm,
-        seed=job.debug.seed, activation_recompute=recompute(job.activation_checkpoint),
-        compile_model="true" if job.compile.enable else "false",
-        mixed_precision="bf16" if training.mixed_precision_param == "bfloat16" else "no",
-        log_every=job.metrics.log_freq, ckpt_every=job.checkpoint.interval,
-        keep_last_ckpts=job.checkpoint.keep_latest_k, max_epochs=None)
+    try:
+        run = config.TrainConfig(
+            model=FLAVORS[job.model.flavor], data_dir=training.dataset_path,
+            out_dir=job.job.dump_folder, seq_len=training.seq_len,
+            micro_batch_size=training.local_batch_size,
+            global_batch_tokens=sequences * training.seq_len, total_steps=total_steps,
+            stop_at_step=training.steps, warmup_steps=schedule.warmup_steps, decay_steps=decay_steps,
+            decay_shape=schedule.decay_type, final_frac=schedule.min_lr_factor,
+            adamw_peak_lr=optimizer.lr, muon_peak_lr=job.stacklm.muon_peak_lr,
+            muon_momentum=job.stacklm.muon_momentum, muon_adjust_lr=job.stacklm.muon_adjust_lr,
+            matrix_optimizer=optimizer.name.lower(), weight_decay=optimizer.weight_decay,
+            betas=(optimizer.beta1, optimizer.beta2), grad_clip=training.max_norm,
+            seed=job.debug.seed, activation_recompute=recompute(job.activation_checkpoint),
+            compile_model="true" if job.compile.enable else "false",
+            mixed_precision="bf16" if training.mixed_precision_param == "bfloat16" else "no",
+            log_every=job.metrics.log_freq, ckpt_every=job.checkpoint.interval,
+            keep_last_ckpts=job.checkpoint.keep_latest_k, max_epochs=None)
+        run.grad_accum_steps(world)  # the global batch must split over these ranks
+    except ValueError as error:  # config.py names stacklm's knobs: say where they live here
+        raise ValueError(f"{error} (docs/crosswalk.md maps stacklm's names to these "
+                         f"TOML keys)") from None
+    return run
 
 
 def recompute(checkpointing) -> str:
@@ -244,7 +250,9 @@ def parallelize(model: StackTransformer, parallel_dims, job_config) -> StackTran
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard,
                     mp_policy=dataclasses.replace(policy, cast_forward_inputs=False))
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    # The root stays gathered after its forward: the head, in torchtitan's loss, runs on the
+    # tied embedding after the forward has returned.
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     gloo = dist.get_backend(mesh.get_group()) == "gloo"
     for module in [*model.blocks, model]:
         module.set_gradient_divide_factor(1.0)
@@ -298,11 +306,23 @@ def build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=No
     return StackOptimizers(model_parts[0], model_parts[0].run)
 
 
+class StackSchedules(LRSchedulersContainer):
+    """optim.lr_multiplier, the WSD schedule of the step, as one LambdaLR per optimizer: each
+    sets its groups' lr to their initial (peak) lr × the multiplier, as Optimizers.set_lr
+    does. torchtitan's container saves the first one's state and loads it into every one,
+    which takes same-shaped optimizers (Muon has one param group, AdamW two): each saves and
+    loads its own."""
+
+    def state_dict(self) -> dict:
+        return {str(i): scheduler.state_dict() for i, scheduler in enumerate(self.schedulers)}
+
+    def load_state_dict(self, state_dict: dict):
+        for i, scheduler in enumerate(self.schedulers):
+            scheduler.load_state_dict(state_dict[str(i)])
+
+
 def build_lr_schedulers(optimizers: StackOptimizers, lr_scheduler_config, training_steps):
-    """optim.lr_multiplier, the WSD schedule of the step, for both optimizers: LambdaLR sets
-    each group's lr to its initial (peak) lr × the multiplier, as Optimizers.set_lr does."""
-    return LRSchedulersContainer(optimizers,
-                                 functools.partial(optim.lr_multiplier, cfg=optimizers.run))
+    return StackSchedules(optimizers, functools.partial(optim.lr_multiplier, cfg=optimizers.run))
 
 
 def build_loss_fn(job_config, **kwargs):
