@@ -9,6 +9,7 @@ checks all it can. Run them alone with `python -m pytest -q -m torchtitan`, in a
 environment with `pip install -r requirements-torchtitan.txt`; without torchtitan they skip.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -21,14 +22,43 @@ import pytest
 pytest.importorskip("torchtitan", reason="torchtitan is not installed: "
                                          "pip install -r requirements-torchtitan.txt")
 
+import config  # noqa: E402
 import train  # noqa: E402
 from conftest import micro_config  # noqa: E402
 from test_train import launch_command  # noqa: E402
 
-pytestmark = [pytest.mark.torchtitan, pytest.mark.distributed]
+pytestmark = pytest.mark.torchtitan
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 8  # micro_config's: warmup 2, stable 4, decay 2
+
+
+# What each TOML leaves at another value than its preset, and why: where the run writes;
+# compilation and precision named where the preset says "auto"; and the knobs of train.py's
+# own evaluation, which torchtitan does not run (the spec has no validator).
+TOML_DIFFERENCES = {
+    "stack100m.toml": ("stack100m", {"out_dir", "compile_model", "mixed_precision"}),
+    "tiny_cpu.toml": ("tiny", {"out_dir", "compile_model", "mixed_precision", "eval_every",
+                               "eval_tokens", "downstream", "downstream_items",
+                               "sample_tokens"}),
+}
+
+
+@pytest.mark.parametrize("toml", sorted(TOML_DIFFERENCES))
+def test_each_toml_is_its_preset_key_for_key(toml):
+    """configs/torchtitan's TOMLs, as torchtitan's own parser reads them and the spec turns
+    them into a stacklm TrainConfig, are the presets they are named for: the chapter's
+    stack100m.toml is `python train.py --preset stack100m`, knob for knob, on a GPU."""
+    from torchtitan.config import ConfigManager
+
+    from integrations.torchtitan import spec
+
+    job = ConfigManager().parse_args(["--job.config_file", f"configs/torchtitan/{toml}"])
+    preset, expected = TOML_DIFFERENCES[toml]
+    differing = config.differences(spec.train_config(job),
+                                   dataclasses.asdict(config.PRESETS[preset]()))
+    assert {key for key, _, _ in differing} == expected
+    assert spec.train_config(job).model == config.PRESETS[preset]().model
 
 
 def titan_overrides(data_dir: str, out: Path, **changes) -> list[str]:
@@ -78,6 +108,7 @@ def one_rank_train_py(small_data_dir, tmp_path_factory) -> dict:
     return curves(train_records(out), "lr_muon")
 
 
+@pytest.mark.distributed
 def test_one_rank_matches_train_py_and_resumes_bitwise(small_data_dir, one_rank_train_py,
                                                        tmp_path):
     """1 rank, 2 micro-batches a step: every loss, grad norm and lr of the 8 steps (warmup,
@@ -97,6 +128,7 @@ def test_one_rank_matches_train_py_and_resumes_bitwise(small_data_dir, one_rank_
         [train_records(first)[s] | {"n_tokens_seen": 0} for s in after]
 
 
+@pytest.mark.distributed
 def test_two_fsdp2_ranks_match_train_py(small_data_dir, tmp_path):
     """2 ranks sharded with FSDP2 over gloo, one micro-batch each a step: torchtitan's
     losses, grad norms and lrs are train.py's under its fsdp2 launch config, bitwise."""
@@ -112,6 +144,7 @@ def test_two_fsdp2_ranks_match_train_py(small_data_dir, tmp_path):
         curves(train_records(stacklm_out), "lr_muon")
 
 
+@pytest.mark.distributed
 def test_a_changed_knob_moves_the_losses(small_data_dir, one_rank_train_py, tmp_path):
     """The negative control: Muon's peak lr halved in the TOML's [stacklm] section. The
     first loss (before any update) stays; every later one moves, by far more than the

@@ -109,16 +109,16 @@ def train_config(job) -> config.TrainConfig:
     sequences = training.global_batch_size
     if sequences < 0:
         sequences = training.local_batch_size * world
-    decay_steps = total_steps - schedule.warmup_steps  # torchtitan's, without decay_ratio
-    if schedule.decay_ratio is not None:
-        decay_steps = round(schedule.decay_ratio * total_steps)
+    decay = {"decay_fraction": schedule.decay_ratio}  # both round(ratio · total) steps
+    if schedule.decay_ratio is None:  # torchtitan then decays from the end of warmup
+        decay = {"decay_steps": total_steps - schedule.warmup_steps}
     try:
         run = config.TrainConfig(
             model=FLAVORS[job.model.flavor], data_dir=training.dataset_path,
             out_dir=job.job.dump_folder, seq_len=training.seq_len,
             micro_batch_size=training.local_batch_size,
             global_batch_tokens=sequences * training.seq_len, total_steps=total_steps,
-            stop_at_step=training.steps, warmup_steps=schedule.warmup_steps, decay_steps=decay_steps,
+            stop_at_step=training.steps, warmup_steps=schedule.warmup_steps, **decay,
             decay_shape=schedule.decay_type, final_frac=schedule.min_lr_factor,
             adamw_peak_lr=optimizer.lr, muon_peak_lr=job.stacklm.muon_peak_lr,
             muon_momentum=job.stacklm.muon_momentum, muon_adjust_lr=job.stacklm.muon_adjust_lr,
@@ -128,7 +128,7 @@ def train_config(job) -> config.TrainConfig:
             compile_model="true" if job.compile.enable else "false",
             mixed_precision="bf16" if training.mixed_precision_param == "bfloat16" else "no",
             log_every=job.metrics.log_freq, ckpt_every=job.checkpoint.interval,
-            keep_last_ckpts=job.checkpoint.keep_latest_k, max_epochs=None)
+            keep_last_ckpts=job.checkpoint.keep_latest_k)
         run.grad_accum_steps(world)  # the global batch must split over these ranks
     except ValueError as error:  # config.py names stacklm's knobs: say where they live here
         raise ValueError(f"{error} (docs/crosswalk.md maps stacklm's names to these "
@@ -161,10 +161,11 @@ def refuse_unsupported(job):
         raise ValueError("optimizer.eps and optimizer.early_step_in_backward: stacklm's AdamW "
                          "uses eps 1e-8 and steps after the backward; leave both at their "
                          "defaults")
-    if job.validation.enable or job.model.converters:
-        raise ValueError("validation.enable and model.converters: the stacklm spec has no "
-                         "validator and no converters (train.py evaluates its own val loss); "
-                         "turn them off")
+    if job.validation.enable or job.model.converters or job.checkpoint.initial_load_in_hf:
+        raise ValueError("validation.enable, model.converters and checkpoint."
+                         "initial_load_in_hf: the stacklm spec has no validator, converters or "
+                         "state-dict adapter (train.py evaluates its own val loss, and "
+                         "--init_from reads transformers folders); turn them off")
 
 
 # ---------------------------------------------------------------------------------------
