@@ -1,6 +1,7 @@
 """Stack-100M as a torchtitan 0.2.2 TrainSpec: torchtitan's trainer, stacklm's parts.
 
-    torchrun --nproc_per_node=8 -m torchtitan.train --job.config_file configs/torchtitan/stack100m.toml
+    torchrun --nproc_per_node=8 -m torchtitan.train \
+        --job.config_file configs/torchtitan/stack100m.toml
 
 The TOML names this module twice: `[job] custom_config_module` (its `JobConfig` adds the
 `[stacklm]` section, Muon's knobs) and `[experimental] custom_import` (importing it
@@ -92,48 +93,54 @@ class JobConfig:
 
 
 def train_config(job) -> config.TrainConfig:
-    """The stacklm run the TOML describes, key by key (docs/crosswalk.md), checked by
-    config.py as `python train.py` checks its own. torchtitan counts the global batch in
-    sequences (-1: one micro-batch per rank), stacklm in tokens."""
+    """The stacklm run the TOML describes, key by key (`knobs`), checked by config.py as
+    `python train.py` checks its own: the same refusals, with the same messages."""
     refuse_unsupported(job)
-    training, schedule, optimizer = job.training, job.lr_scheduler, job.optimizer
     if job.debug.seed is None:
         raise ValueError("[debug] seed is unset: stacklm's initial weights and data order come "
                          "from a seed; set seed = 1337 under [debug] (the chapter's "
                          "training.seed)")
-    if optimizer.name.lower() not in ("muon", "adamw"):
-        raise ValueError(f"optimizer.name={optimizer.name!r}: the stacklm spec builds 'Muon' "
-                         f"(Muon on the hidden matrices, AdamW on the rest) or 'AdamW'")
-    total_steps = schedule.total_steps or training.steps
+    if job.optimizer.name.lower() not in ("muon", "adamw"):
+        raise ValueError(f"optimizer.name={job.optimizer.name!r}: the stacklm spec builds "
+                         f"'Muon' (Muon on the hidden matrices, AdamW on the rest) or 'AdamW'")
     world = dist.get_world_size() if dist.is_initialized() else 1
+    try:
+        run = config.TrainConfig(**knobs(job, world))
+        run.grad_accum_steps(world)  # the global batch must split over these ranks
+    except ValueError as error:  # config.py names stacklm's knobs: say where they live here
+        raise ValueError(f"{error} (docs/crosswalk.md maps stacklm's names to these "
+                         f"TOML keys)") from None
+    return run
+
+
+def knobs(job, world: int) -> dict:
+    """TrainConfig's knobs from torchtitan's keys: docs/crosswalk.md, row by row. torchtitan
+    counts the global batch in sequences (-1: one micro-batch per rank), stacklm in tokens."""
+    training, schedule, optimizer = job.training, job.lr_scheduler, job.optimizer
+    stack = job.stacklm
+    total_steps = schedule.total_steps or training.steps
     sequences = training.global_batch_size
     if sequences < 0:
         sequences = training.local_batch_size * world
     decay = {"decay_fraction": schedule.decay_ratio}  # both round(ratio · total) steps
     if schedule.decay_ratio is None:  # torchtitan then decays from the end of warmup
         decay = {"decay_steps": total_steps - schedule.warmup_steps}
-    try:
-        run = config.TrainConfig(
-            model=FLAVORS[job.model.flavor], data_dir=training.dataset_path,
-            out_dir=job.job.dump_folder, seq_len=training.seq_len,
-            micro_batch_size=training.local_batch_size,
-            global_batch_tokens=sequences * training.seq_len, total_steps=total_steps,
-            stop_at_step=training.steps, warmup_steps=schedule.warmup_steps, **decay,
-            decay_shape=schedule.decay_type, final_frac=schedule.min_lr_factor,
-            adamw_peak_lr=optimizer.lr, muon_peak_lr=job.stacklm.muon_peak_lr,
-            muon_momentum=job.stacklm.muon_momentum, muon_adjust_lr=job.stacklm.muon_adjust_lr,
-            matrix_optimizer=optimizer.name.lower(), weight_decay=optimizer.weight_decay,
-            betas=(optimizer.beta1, optimizer.beta2), grad_clip=training.max_norm,
-            seed=job.debug.seed, activation_recompute=recompute(job.activation_checkpoint),
-            compile_model="true" if job.compile.enable else "false",
-            mixed_precision="bf16" if training.mixed_precision_param == "bfloat16" else "no",
-            log_every=job.metrics.log_freq, ckpt_every=job.checkpoint.interval,
-            keep_last_ckpts=job.checkpoint.keep_latest_k)
-        run.grad_accum_steps(world)  # the global batch must split over these ranks
-    except ValueError as error:  # config.py names stacklm's knobs: say where they live here
-        raise ValueError(f"{error} (docs/crosswalk.md maps stacklm's names to these "
-                         f"TOML keys)") from None
-    return run
+    return dict(
+        model=FLAVORS[job.model.flavor], data_dir=training.dataset_path,
+        out_dir=job.job.dump_folder, seq_len=training.seq_len,
+        micro_batch_size=training.local_batch_size,
+        global_batch_tokens=sequences * training.seq_len, total_steps=total_steps,
+        stop_at_step=training.steps, warmup_steps=schedule.warmup_steps, **decay,
+        decay_shape=schedule.decay_type, final_frac=schedule.min_lr_factor,
+        adamw_peak_lr=optimizer.lr, muon_peak_lr=stack.muon_peak_lr,
+        muon_momentum=stack.muon_momentum, muon_adjust_lr=stack.muon_adjust_lr,
+        matrix_optimizer=optimizer.name.lower(), weight_decay=optimizer.weight_decay,
+        betas=(optimizer.beta1, optimizer.beta2), grad_clip=training.max_norm,
+        seed=job.debug.seed, activation_recompute=recompute(job.activation_checkpoint),
+        compile_model="true" if job.compile.enable else "false",
+        mixed_precision="bf16" if training.mixed_precision_param == "bfloat16" else "no",
+        log_every=job.metrics.log_freq, ckpt_every=job.checkpoint.interval,
+        keep_last_ckpts=job.checkpoint.keep_latest_k)
 
 
 def recompute(checkpointing) -> str:
