@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,31 @@ def test_each_toml_is_its_preset_key_for_key(toml):
                                    dataclasses.asdict(config.PRESETS[preset]()))
     assert {key for key, _, _ in differing} == expected
     assert spec.train_config(job).model == config.PRESETS[preset]().model
+
+
+@pytest.mark.parametrize("flavor", ["tiny", "debugmodel"])
+def test_the_loss_is_the_transformers_own_head(flavor):
+    """The spec's loss (torchtitan's build_loss_fn) on what its model's forward returns
+    equals model.Transformer's own forward with reduction="sum", bitwise, and so do the
+    gradients: the plain head (tiny, ce_chunk_size 0) and the chunked one (debugmodel)."""
+    import torch
+
+    from integrations.torchtitan import spec
+
+    torch.manual_seed(0)
+    model_cfg = spec.FLAVORS[flavor]
+    model = spec.Transformer(model_cfg)
+    tokens = torch.randint(model_cfg.vocab_size, (2, 17))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    job = types.SimpleNamespace(model=types.SimpleNamespace(flavor=flavor))
+    hidden = spec.Hidden(model.hidden_states(inputs, None, None),
+                         model.embed.weight.view_as(model.embed.weight))
+    loss = spec.build_loss_fn(job)(hidden, targets)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    own = model(inputs, targets, reduction="sum").loss
+    assert loss.item() == own.item()
+    own_grads = torch.autograd.grad(own, list(model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(grads, own_grads, strict=True))
 
 
 def titan_overrides(data_dir: str, out: Path, **changes) -> list[str]:
