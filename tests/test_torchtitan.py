@@ -145,19 +145,26 @@ def test_one_rank_matches_train_py_and_resumes_bitwise(small_data_dir, one_rank_
     assert curves(train_records(first), "lr") == one_rank_train_py
     assert sorted(p.name for p in (first / "checkpoint").iterdir()) == ["step-4", "step-8"]
 
-    resumed = tmp_path / "resumed"
+    assert_resumes_bitwise(1, small_data_dir, first, tmp_path / "resumed")
+
+
+def assert_resumes_bitwise(ranks: int, data_dir: str, first: Path, resumed: Path):
+    """A launch whose dump folder holds only `first`'s step-4 checkpoint logs steps 5–8 as
+    `first` did, bitwise (tokens seen aside: torchtitan counts a launch's own)."""
     shutil.copytree(first / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
-    run_torchtitan(1, titan_overrides(small_data_dir, resumed))
-    after = train_records(resumed)
+    run_torchtitan(ranks, titan_overrides(data_dir, resumed))
+    after, before = train_records(resumed), train_records(first)
     assert sorted(after) == [5, 6, 7, 8]
     assert [after[s] | {"n_tokens_seen": 0} for s in after] == \
-        [train_records(first)[s] | {"n_tokens_seen": 0} for s in after]
+        [before[s] | {"n_tokens_seen": 0} for s in after]
 
 
 @pytest.mark.distributed
 def test_two_fsdp2_ranks_match_train_py(small_data_dir, tmp_path):
     """2 ranks sharded with FSDP2 over gloo, one micro-batch each a step: torchtitan's
-    losses, grad norms and lrs are train.py's under its fsdp2 launch config, bitwise."""
+    losses, grad norms and lrs are train.py's under its fsdp2 launch config, bitwise; and
+    its sharded step-4 checkpoint (Muon's momentum by rows, the loader's one cursor)
+    resumes on 2 ranks bitwise."""
     stacklm_out = tmp_path / "stacklm"
     cfg = micro_config(small_data_dir, str(stacklm_out))
     done = subprocess.run(launch_command(cfg, 2, "fsdp2.yaml"), cwd=ROOT,
@@ -168,6 +175,7 @@ def test_two_fsdp2_ranks_match_train_py(small_data_dir, tmp_path):
     run_torchtitan(2, titan_overrides(small_data_dir, titan_out))
     assert curves(train_records(titan_out), "lr") == \
         curves(train_records(stacklm_out), "lr_muon")
+    assert_resumes_bitwise(2, small_data_dir, titan_out, tmp_path / "resumed")
 
 
 @pytest.mark.distributed
