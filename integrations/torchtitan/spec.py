@@ -19,7 +19,7 @@ torchtitan's hooks, and what answers each:
 - parallelize_fn: `parallelize`, train.shard_model's FSDP2 layout on torchtitan's mesh.
 - build_optimizers_fn: `StackOptimizers`, optim.build_optimizers' Muon + AdamW pair as an
   OptimizersContainer whose state_dict DCP can reshard (keyed by parameter name).
-- build_lr_schedulers_fn: optim.lr_multiplier, the WSD schedule, as a LambdaLR.
+- build_lr_schedulers_fn: `StackSchedules`, optim.lr_multiplier (WSD), a LambdaLR per optimizer.
 - build_dataloader_fn: `StackLoader`, data.MixtureLoader's batches with their state.
 - build_loss_fn: the fused CE + z-loss (the chunked head; the plain one at ce_chunk_size 0).
 - build_metrics_processor_fn: torchtitan's log, plus metrics.jsonl in the dump folder.
