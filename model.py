@@ -315,6 +315,18 @@ def fp32_logits(hidden, weight):
 PLAIN_ROWS = 256
 
 
+def plain_head_loss(hidden, weight, targets, z_loss: float, reduction: str) -> Loss:
+    """The plain head: the tied embedding's logits (N, V) in the blocks' precision, into
+    reference_loss PLAIN_ROWS rows at a time (each row's loss is its own): a chunk's fp32
+    copy, softmax and gradient stay in a CPU's cache (docs/figures.md)."""
+    logits = F.linear(hidden, weight)  # (N, V)
+    sums = [reference_loss(rows, rows_targets, z_loss, reduction="sum")
+            for rows, rows_targets in zip(logits.split(PLAIN_ROWS), targets.split(PLAIN_ROWS),
+                                          strict=True)]
+    n = (targets != -100).sum().clamp(min=1) if reduction == "mean" else 1
+    return Loss(*(torch.stack(part).sum() / n for part in zip(*sums, strict=True)))
+
+
 # ---------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------
@@ -375,15 +387,7 @@ class Transformer(nn.Module):
         return Loss(*(torch.cat(part) for part in zip(*parts, strict=True)))
 
     def plain_head(self, hidden, targets, reduction: str) -> Loss:
-        """The tied embedding's logits (N, V) in the blocks' precision, into reference_loss
-        PLAIN_ROWS rows at a time (each row's loss is its own): a chunk's fp32 copy, softmax
-        and gradient stay in a CPU's cache (docs/figures.md)."""
-        logits = F.linear(hidden, self.embed.weight)  # (N, V)
-        sums = [reference_loss(rows, rows_targets, self.cfg.z_loss, reduction="sum")
-                for rows, rows_targets in zip(logits.split(PLAIN_ROWS),
-                                              targets.split(PLAIN_ROWS), strict=True)]
-        n = (targets != -100).sum().clamp(min=1) if reduction == "mean" else 1
-        return Loss(*(torch.stack(part).sum() / n for part in zip(*sums, strict=True)))
+        return plain_head_loss(hidden, self.embed.weight, targets, self.cfg.z_loss, reduction)
 
     def logits(self, input_ids, position_ids=None, seq_ids=None, last_only=False):
         """fp32 logits (B, T, V), or (B, 1, V) of the last position with last_only."""

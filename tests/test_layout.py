@@ -20,7 +20,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 LESSON = {"train", "model", "loss", "data", "optim", "config"}
 COMMANDS = {"prepare", "export", "sample", "report"}
-FILES = {p.stem: p for p in [*REPO.glob("*.py"), *(REPO / "plumbing").glob("*.py")]
+FILES = {p.stem: p for p in [*REPO.glob("*.py"), *(REPO / "plumbing").glob("*.py"),
+                             *(REPO / "integrations").rglob("*.py")]
          if p.stem not in ("__init__", "hf_modeling_stacklm")}  # the latter: an export's file
 MODULES = sorted(FILES)
 
