@@ -1,30 +1,32 @@
 """Configuration: the model shape (`StackConfig`) and the run (`TrainConfig`).
 
-Everything a run can change lives here, under the name the concept has in the
-literature, documented once beside its field (`--help` prints that line), and is checked
-once, with messages that name the field, the numbers and the fix. Presets are plain
-functions. A run's config comes from a preset, a TOML file and the command line:
-plumbing/overrides.py reads those, typed from the fields here.
+Everything a run can change lives here, under the name the concept has in the literature,
+documented once beside its field (`--help` prints that line), checked once, with messages
+that name the field, the numbers and the fix. Presets are plain functions; a run's config
+is a preset, a TOML file and flags, which plumbing/overrides.py reads, typed from the fields.
 
-Imports from stacklm: overrides (only for `python config.py --world_size=N`, its command).
+`python config.py --world_size=N` prints the micro-batch a launch on N ranks should use.
+Imports from stacklm: nothing.
 """
 
+import argparse
 import dataclasses
 import json
 import math
 import re
+import sys
+import tomllib
 from typing import NamedTuple
 from dataclasses import dataclass, field
 
 
 def knob(default, description: str, section: str | None = None):
-    """A config field and its one-line description, the only one: `--help` prints it. A
-    `section` opens a group of knobs there (`--help` prints the groups as they read here)."""
+    """A config field and its one-line description, which `--help` prints; a `section` opens
+    a group of knobs there (`--help` prints the groups as they read here)."""
     return field(default=default, metadata={"help": description, "section": section})
 
 
-# The knobs that take one of a few words; `TrainConfig.check` refuses any other, and
-# `--help` lists them.
+# The knobs that take one of a few words; `TrainConfig.check` refuses others, `--help` lists them.
 CHOICES = {"decay_shape": ("linear", "sqrt", "cosine"),
            "device": ("auto", "cuda", "mps", "cpu"),
            "compile_model": ("auto", "true", "false"),
@@ -53,7 +55,6 @@ class StackConfig:
     rope_theta: float = knob(10000.0, "RoPE base frequency (arXiv 2104.09864)")
     qk_norm: bool = knob(True, "RMSNorm on per-head q and k (arXiv 2302.05442)")
     nope_every: int = knob(4, "every N-th layer has no RoPE (NoPE, arXiv 2305.19466); 0: none")
-    tie_embeddings: bool = knob(True, "the LM head is the embedding matrix (only true works)")
     z_loss: float = knob(1e-4, "PaLM's z-loss weight on logsumexp^2 (arXiv 2204.02311)")
     norm_eps: float = knob(1e-6, "RMSNorm epsilon")
     init_std: float = knob(0.02, "normal init std; o_proj and down_proj get "
@@ -87,9 +88,12 @@ class StackConfig:
         if self.nope_every < 0:
             raise ValueError(f"model.nope_every={self.nope_every} must be >= 0 (0 = RoPE on "
                              f"every layer)")
-        if not self.tie_embeddings:
-            raise ValueError("model.tie_embeddings=False is not supported: Stack-100M ties "
-                             "the LM head to the embedding")
+
+    @classmethod
+    def from_saved(cls, saved: dict) -> "StackConfig":
+        """The shape a checkpoint or an export recorded. An older record's tie_embeddings, a
+        knob that only true passed (the head is the embedding), is dropped."""
+        return cls(**{k: v for k, v in saved.items() if k != "tie_embeddings"})
 
     @property
     def head_size(self) -> int:
@@ -101,7 +105,7 @@ def tiny_model() -> StackConfig:
     """About 4M parameters: trains on a laptop CPU in minutes (vocab of the 4k tokenizer)."""
     return StackConfig(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2,
                        intermediate=704, max_seq_len=256,
-                       # the plain head: its logits are 16 × 256 × 4,096 fp32, 64 MiB
+                       # the plain head: all 16 × 256 rows of 4,096 logits at once
                        ce_chunk_size=0)
 
 
@@ -142,12 +146,10 @@ class TrainConfig:
     adamw_peak_lr: float = knob(3e-3, "AdamW's peak lr (embedding, gains; matrices too if adamw)",
                                 section="optimizers: Muon on hidden matrices, AdamW on embedding "
                                         "and gains")
-    # The unit of muon_peak_lr: with muon_adjust_lr=match_rms_adamw, Muon's step on an (A, B)
-    # matrix is lr·0.2·√max(A, B)·O, and an orthogonal O has entry RMS 1/√max(A, B), so the
-    # update's RMS is 0.2·lr, the scale of an AdamW update (Moonlight, arXiv 2502.16982):
-    # that is why muon_peak_lr is comparable to adamw_peak_lr. 6e-3 was not tuned for
-    # Stack-100M; it is 2x adamw_peak_lr as a starting point. bench/recipe.py's sweep at the
-    # tiny preset's budget, with the embedding at the same LR, preferred 1.5e-3 for both.
+    # The unit of muon_peak_lr: with match_rms_adamw, Muon's step on an (A, B) matrix is
+    # lr·0.2·√max(A, B)·O, and an orthogonal O has entry RMS 1/√max(A, B): the update's RMS
+    # is 0.2·lr, an AdamW update's scale (Moonlight, arXiv 2502.16982). 6e-3, twice
+    # adamw_peak_lr, is a starting point, not tuned for Stack-100M (tiny's: docs/figures.md).
     muon_peak_lr: float = knob(6e-3, "Muon's peak lr; on AdamW's scale with match_rms_adamw; "
                                      "not tuned")
     muon_momentum: float = knob(0.95, "Muon's momentum (Nesterov)")
@@ -193,9 +195,9 @@ class TrainConfig:
                                    "blocks)")
     keep_last_ckpts: int = knob(5, "newest checkpoints kept in out_dir/ckpt; older ones are "
                                    "deleted, except where a data stage or the decay begins")
-    resume: str = knob("auto", "auto | none | PATH: auto is the newest checkpoint in out_dir; "
-                       "PATH elsewhere is where a branched run begins (it continues its own "
-                       "checkpoints once it has them)")
+    resume: str = knob("latest", "latest | none | PATH: latest is the newest checkpoint in "
+                       "out_dir; PATH elsewhere is where a branched run begins (it continues "
+                       "its own checkpoints once it has them)")
     init_from: str | None = knob(None, "a transformers folder (Llama, Qwen3, SmolLM3, stacklm's "
                                        "export): its config.json sets the model's shape, its "
                                        "weights a fresh run's start (a checkpoint wins)")
@@ -213,7 +215,7 @@ class TrainConfig:
 
     def __post_init__(self):
         if isinstance(self.model, dict):
-            self.model = StackConfig(**self.model)
+            self.model = StackConfig.from_saved(self.model)
         self.betas = tuple(self.betas)
         self.data_stages = tuple(dict(stage) for stage in self.data_stages)
         self.check()
@@ -227,12 +229,10 @@ class TrainConfig:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):  # `value <= 0` would let NaN through
                 raise ValueError(f"{name}={value} must be a positive, finite number")
-        if self.eval_tokens is not None and self.eval_tokens <= 0:
-            raise ValueError(f"eval_tokens={self.eval_tokens} must be positive, or none for the "
-                             f"whole val split")
-        if self.downstream_items is not None and self.downstream_items <= 0:
-            raise ValueError(f"downstream_items={self.downstream_items} must be positive, or "
-                             f"none for every item")
+        for name, none in [("eval_tokens", "the whole val split"),
+                           ("downstream_items", "every item")]:
+            if (value := getattr(self, name)) is not None and value <= 0:
+                raise ValueError(f"{name}={value} must be positive, or none for {none}")
         if self.downstream_every is not None and (self.downstream_every <= 0
                                                   or self.downstream_every % self.eval_every):
             raise ValueError(f"downstream_every={self.downstream_every} must be a positive "
@@ -299,17 +299,15 @@ class TrainConfig:
 
     def fitting_micro_batch(self, world_size: int) -> int | None:
         """The largest micro-batch, at most micro_batch_size, that splits the global batch
-        evenly over world_size ranks (None: none does). slurm_fsdp2.sh launches with it
-        (`python config.py --world_size=N`), so any node count keeps the global batch."""
+        evenly over world_size ranks (None: none does): slurm_fsdp2.sh's, on any node count."""
         fits = [m for m in range(1, self.micro_batch_size + 1)
                 if self.global_batch_tokens % (m * self.seq_len * world_size) == 0]
         return fits[-1] if fits else None
 
     def stages(self, decay_start: int | None) -> list[tuple[int, tuple[tuple[str, float], ...]]]:
-        """The data stages, (first step, ((data_dir, weight), ...)), by step: data_dir from
-        step 0, each [[data_stages]] table from its start, anneal_data_dir from decay_start
-        (wsd_phases resolves it; None: its mixture is only checked). Weights are
-        normalised to shares."""
+        """The data stages, (first step, ((data_dir, share), ...)), by step: data_dir from step
+        0, each [[data_stages]] table from its start, anneal_data_dir from decay_start
+        (wsd_phases resolves it; None: its mixture is only checked)."""
         tables = [(0, "data_dir", self.data_dir)]
         for i, table in enumerate(self.data_stages):
             if set(table) != {"start", "data_dir"} or type(table["start"]) is not int \
@@ -383,13 +381,9 @@ def format_phases(phases: WSDPhases) -> str:
 
 
 def check_schedule(cfg) -> WSDPhases:
-    """Refuse a schedule that cannot be laid out, or that would stop a run mid-decay.
-
-    The trap: stopping a long run early (stop_at_step < total_steps) to continue it later,
-    while the derived decay leg starts before the stop. The checkpoint it leaves is already
-    partly annealed, and re-warming a decayed checkpoint costs much of what decaying bought.
-    Returns the phases.
-    """
+    """The phases; refuses a schedule that cannot be laid out, or that would stop a run
+    mid-decay: stopped early (stop_at_step < total_steps) to continue later, the run would
+    leave a partly annealed checkpoint, and re-warming it costs much of what decaying bought."""
     phases = wsd_phases(cfg)
     warmup, decay, start = phases.warmup_steps, phases.decay_steps, phases.decay_start
     layout = f"{format_phases(phases)} over total_steps={cfg.total_steps:,}"
@@ -470,10 +464,9 @@ def parse_downstream(spec: str) -> list[tuple[str, str | None]]:
     return tasks
 
 
-# Repeating data up to about 4 epochs trains almost as well as fresh data; beyond that the
-# returns fall off fast, each further repetition worth less by a factor e every ~15
-# (Muennighoff et al., "Scaling Data-Constrained Language Models", arXiv 2305.16264). A plan
-# past 4 is warned about; one past max_epochs (16 by default) is refused.
+# Repeating data up to about 4 epochs trains almost as well as fresh data; beyond that each
+# further repetition is worth less by a factor e every ~15 (Muennighoff et al., arXiv
+# 2305.16264). A plan past 4 is warned about; one past max_epochs (16 by default) refused.
 EPOCHS_WARNED = 4
 
 
@@ -485,9 +478,8 @@ def eval_windows(cfg: TrainConfig, val_windows: int) -> int:
 
 
 def data_plan(cfg: TrainConfig, stages: list, tokens_per_epoch: dict[str, int]) -> list[dict]:
-    """One row per stage and source: its share, the train tokens it holds (one epoch), and
-    the tokens this run reads from it in that stage (the stage's steps before stop_at_step
-    × the global batch × the share)."""
+    """One row per stage and source: its share, the train tokens it holds (one epoch), and the
+    tokens this run reads from it in that stage (steps before stop_at_step × batch × share)."""
     rows = []
     for k, (start, sources) in enumerate(stages):
         end = stages[k + 1][0] if k + 1 < len(stages) else cfg.stop_at_step
@@ -524,17 +516,15 @@ def check_epochs(cfg: TrainConfig, plan: list[dict]) -> list[str]:
 
 
 def flat(config: dict) -> dict:
-    """A config as dataclasses.asdict, a train_state.json or a start record holds it, with
-    the model's knobs in it as `model.<knob>`."""
+    """A config (as asdict, a train_state.json or a start record holds it), model knobs flat."""
     config = dict(config)
     model = config.pop("model", {})
     return {**config, **{f"model.{k}": v for k, v in model.items()}}
 
 
 def differences(cfg: TrainConfig, other: dict) -> list[tuple[str, object, object]]:
-    """(knob, other's value, cfg's value) for each knob in which cfg differs from `other`,
-    a config as dataclasses.asdict or a train_state.json holds it; model knobs are named
-    `model.<knob>`, and a knob `other` lacks (a config older than the knob) counts as equal."""
+    """(knob, other's value, cfg's value) for each knob cfg differs in from `other` (a config
+    as `flat` reads it); a knob `other` lacks (a config older than the knob) counts as equal."""
     ours = flat(json.loads(json.dumps(dataclasses.asdict(cfg))))  # tuples compare as lists
     theirs = flat(json.loads(json.dumps(other)))
     return [(k, theirs.get(k), v) for k, v in ours.items() if theirs.get(k, v) != v]
@@ -553,18 +543,15 @@ def stack100m() -> TrainConfig:
     return TrainConfig()
 
 
-# The tiny run's next-line items per evaluation: a scoring costs a small share of the
-# training between evaluations (docs/figures.md, bench/downstream_cost.py), and the acc of
-# 100 items has a standard error of at most 0.05 (√(p(1 − p)/100)).
+# The tiny run's next-line items per evaluation: a scoring costs a small share of the training
+# between evaluations (docs/figures.md), and the acc of 100 has a standard error ≤ 0.05.
 TINY_ITEMS = 100
 
 
 def tiny() -> TrainConfig:
     """A ~4M-parameter model that trains 1.23M tokens (300 steps of 4,096) on 2 CPU cores in
-    minutes (docs/figures.md has the times, with and without bf16 arithmetic). It keeps
-    its tokens whatever the CPU: a preset computes the same run on every machine, where
-    more steps in bf16's time would make a CPU without bf16 the slowest to run it (the
-    choice, measured over 3 seeds of each: docs/figures.md)."""
+    minutes. It keeps its tokens whatever the CPU, so a preset computes the same run on
+    every machine (the times and the choice: docs/figures.md)."""
     return TrainConfig(model=tiny_model(), data_dir="data/stdlib-4k", out_dir="out/tiny",
                        seq_len=256, micro_batch_size=16, global_batch_tokens=4096,
                        total_steps=300, stop_at_step=300, warmup_steps=30, decay_fraction=0.2,
@@ -578,6 +565,36 @@ def tiny() -> TrainConfig:
 PRESETS = {"stack100m": stack100m, "tiny": tiny}
 
 
-if __name__ == "__main__":  # `python config.py --world_size=N`: the command lives with the CLI
-    from plumbing.overrides import fit_micro_batch_cli
-    fit_micro_batch_cli()
+# What `python config.py --world_size=N` reads of train.py's flags: the knobs that size the
+# batch, so that it answers without importing torch. train.py checks the rest.
+BATCH_KNOBS = ("seq_len", "micro_batch_size", "global_batch_tokens")
+
+
+def fit_micro_batch(argv: list[str] | None = None) -> int:
+    """`python config.py --world_size=N [train.py's flags]`: the micro-batch a launch on N
+    ranks should use, in the config train.py makes of the preset, a TOML file and the flags."""
+    parser = argparse.ArgumentParser(allow_abbrev=False, exit_on_error=False)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="stack100m")
+    parser.add_argument("--config", metavar="RUN.TOML", help="TOML file of overrides")
+    for name in ("world_size", *BATCH_KNOBS):
+        parser.add_argument(f"--{name}", type=int)
+    args, knobs = parser.parse_known_args(argv)[0], {}
+    if args.world_size is None:
+        raise ValueError("--world_size=N is required: the ranks of the launch")
+    if args.config:
+        with open(args.config, "rb") as f:
+            knobs = {k: v for k, v in tomllib.load(f).items() if k in BATCH_KNOBS}
+    knobs |= {k: getattr(args, k) for k in BATCH_KNOBS if getattr(args, k) is not None}
+    cfg = dataclasses.replace(PRESETS[args.preset](), **knobs)
+    micro = cfg.fitting_micro_batch(args.world_size)
+    if micro is None:
+        cfg.grad_accum_steps(args.world_size)  # no micro-batch splits the batch: it says why
+    return micro
+
+
+if __name__ == "__main__":
+    try:
+        print(fit_micro_batch())
+    except (ValueError, OSError, argparse.ArgumentError) as e:  # one line, as every command
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -9,43 +9,33 @@ tensors, B = micro_batch_size, T = seq_len:
     position_ids  each token's position inside its document (RoPE sees these)
     seq_ids       which document of the row each token belongs to: 0, 1, 2, ...
 
-Document masking. A row packs several documents end to end; the model attends causally
-within equal seq_ids only, and positions restart at 0 in each document, so a document
-never sees the one before it and reads as if it were alone in the row.
+Document masking. A row packs documents end to end; attention stays within equal seq_ids
+and positions restart in each, so a document reads as if it were alone in the row.
 
-The token stream. A split is one stream: its shards concatenated in order. EOS is written
-*before* every document, `[EOS d1 EOS d2 EOS d3 ...]`, so it marks a boundary and doubles
-as the next document's beginning-of-sequence token. The EOS token belongs to the document
-that follows it: `seq_ids` increase at each EOS and `position_ids` are 0 there. Hence
-every target is predicted, none is ignored (-100): the last token of a document predicts
-EOS (the model learns where documents end), and EOS predicts the first token of the next
-document with only itself as context (the model learns how documents open).
+The token stream. A split is its shards concatenated. EOS is written *before* every
+document, `[EOS d1 EOS d2 ...]`, so it doubles as the next document's beginning-of-sequence
+token and belongs to it (seq_ids increase there, position 0). Hence no target is ignored:
+a document's last token predicts EOS (where documents end), and EOS, with only itself as
+context, the next document's first token (how documents open).
 
-Windows. Window i is tokens [i*T, i*T + T + 1) of the stream: inputs are the first T,
-targets the last T. The stride is T, so every token is a target exactly once per epoch.
-A row starts wherever its window starts, usually mid-document: position 0 and seq_id 0 there.
+Windows. Window i is tokens [i*T, i*T + T + 1): inputs the first T, targets the last T, so
+each token is a target once per epoch. A row starting mid-document has position 0 there.
 
 Order and ranks. Epoch e visits the windows in a permutation seeded by (seed, e, the
-data's fingerprint); the global stream is those permutations end to end. One cursor counts
-the windows all ranks have consumed together; a global micro-batch is the next
-micro_batch_size*world_size windows and rank r takes the r-th block of micro_batch_size.
-So the sequence of global batches depends on the seed alone, not on the number of ranks,
-and a saved cursor resumes exactly under any world size. The val split is visited in
-stream order, unshuffled.
+data's fingerprint). One cursor counts the windows all ranks consumed; a global micro-batch
+is the next micro_batch_size*world_size windows, rank r's the r-th block. So the batches
+depend on the seed alone, not the number of ranks, and a saved cursor resumes exactly under
+any world size. The val split is read in stream order, unshuffled.
 
-Mixtures. Training reads a `MixtureLoader`: stages of prepared directories by weight, each
-a PackedShardLoader's train stream, interleaved so that every stretch of the stream holds
-each source's share (`interleave`), with the same one-cursor rule across ranks.
+Mixtures. Training reads a `MixtureLoader`: stages of prepared directories by weight,
+interleaved so that every stretch holds each source's share, with the same one cursor.
 
 Exact resume. state_dict() is that cursor plus what it depends on (seq_len, seed, the
-data's identity, and for a mixture each source's position); load_state_dict() refuses a
-state from other data rather than silently reading other windows.
+data's identity, each source's position); load_state_dict() refuses other data's state.
 
-On disk. `python prepare.py` writes a directory once, offline: tokenizer.json,
-manifest.json and {train,val}_NNNNN.bin shards of raw token ids. The loader opens it
-through plumbing/shards.py, which checks each shard against the manifest the first time it
-is opened (size, sha256, largest id), so a flipped byte or a foreign shard fails at
-start-up, not as a quietly wrong run.
+On disk. `python prepare.py` writes tokenizer.json, manifest.json and {train,val}_NNNNN.bin
+shards of token ids once, offline; plumbing/shards.py checks each shard against the manifest
+when first opened, so a flipped byte or a foreign shard fails at start-up.
 
 Imports from stacklm: shards (a prepared folder's manifest and its checks).
 """
@@ -244,12 +234,10 @@ def interleave(weights: list[int], first: int, count: int) -> tuple[np.ndarray, 
     """(source, j) for each position [first, first + count) of a mixture: which source
     fills it, and with which of that source's windows (its j-th in this stage).
 
-    Source i's j-th window has the key (j + 1/2) / w_i, and the stream takes every source's
-    windows in key order (ties: the lower i first). Each source is spread evenly, so every
-    prefix of the stream, and every stretch of it, holds each source's share w_i / sum(w)
-    to within a window or two. No sort is needed: a window's position is the number of
-    keys before its own, counted in integers per source, so any stretch of the stream is
-    computed on its own, in O(count · sources)."""
+    Source i's j-th window has the key (j + 1/2) / w_i, and the stream takes the windows in
+    key order (ties: the lower i first), so every stretch holds each source's share w_i /
+    sum(w) to within a window or two. A window's position is the number of keys before its
+    own, counted in integers, so any stretch is computed alone, in O(count · sources)."""
     total, n = sum(weights), len(weights)
     source, index = np.empty(count, np.int8), np.empty(count, np.int64)
     for i, w in enumerate(weights):
@@ -271,13 +259,9 @@ def interleave(weights: list[int], first: int, count: int) -> tuple[np.ndarray, 
 
 
 class MixtureLoader:
-    """The training stream of a run: stages of weighted sources, each source a train split
-    read in its own seeded order (PackedShardLoader). One cursor counts the windows all
-    ranks consumed in the current stage, a global micro-batch is the next
-    micro_batch_size × world_size positions of `interleave`, and rank r takes the r-th
-    block, as for one source. The stage is a function of the optimizer step (set_step),
-    so a stage starts on a step boundary, and a source in two stages continues where it
-    stopped: its position is what it gave before the stage, plus j."""
+    """The training stream: stages of weighted sources, each a train split in its own seeded
+    order, read through `interleave` with one cursor as for one source. The stage follows
+    the optimizer step (set_step), and a source in two stages continues where it stopped."""
 
     def __init__(self, stages: list[Stage], seq_len, micro_batch_size, rank=0, world_size=1,
                  seed=1337):
@@ -369,11 +353,9 @@ def has_val(manifest: dict) -> bool:
 
 
 def val_shares(stages: list[Stage], manifests: dict[str, dict]) -> dict[str, float]:
-    """The sources evaluated, and their weights in the mixture's val_loss: every source
-    with a val split (one prepared with --val_fraction 0 has none: it trains, unevaluated),
-    weighted by the first stage's shares renormalised over those sources; a source only
-    later stages read counts for 0 in the mean but is evaluated too. Where the first stage
-    has no val split at all, the first stage that has one gives the shares."""
+    """The sources evaluated (those with a val split) and their weights in val_loss: the
+    first stage's shares renormalised over them (a later stage's own source counts 0), or,
+    where the first stage has no val split, the first stage's that has one."""
     evaluated = [d for d in manifests if has_val(manifests[d])]
     if not evaluated:
         raise ValueError(f"no source of this run has a val split ({', '.join(manifests)}), "

@@ -70,10 +70,10 @@ HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "token
             "provenance.json")
 
 
-def export(out_dir, fmt: str = "stacklm", resume: str = "auto",
+def export(out_dir, fmt: str = "stacklm", resume: str = "latest",
            data_dir: str | None = None) -> Path:
     """out_dir/export/ (fmt "stacklm") or out_dir/export-hf/ (fmt "hf") from the checkpoint
-    `resume` names (auto: the newest in out_dir). The tokenizer is read from the
+    `resume` names (latest: the newest in out_dir). The tokenizer is read from the
     checkpoint's data_dir, or from `data_dir` if given (the data moved)."""
     check_run_folder(Path(out_dir))
     ckpt = checkpoint.find(out_dir, resume)
@@ -125,7 +125,7 @@ def another_checkpoint(out_dir, ckpt: Path) -> str:
 def checkpoint_model(ckpt: Path, state: dict) -> StackConfig:
     """The model shape the checkpoint was trained with, from its train_state.json."""
     try:
-        return StackConfig(**state["config"]["model"])
+        return StackConfig.from_saved(state["config"]["model"])
     except (KeyError, TypeError) as e:
         raise ValueError(f"{ckpt}/train_state.json holds no readable model config "
                          f"({type(e).__name__}: {e}); export a checkpoint this trainer "
@@ -312,8 +312,8 @@ def main(argv=None):
     parser.add_argument("--format", choices=("stacklm", "hf"), default="stacklm",
                         help="stacklm: OUT_DIR/export/ for sample.py; hf: OUT_DIR/export-hf/, "
                              "a Hugging Face transformers folder")
-    parser.add_argument("--resume", default="auto", metavar="PATH",
-                        help="the checkpoint folder to export; auto: the newest in OUT_DIR")
+    parser.add_argument("--resume", default="latest", metavar="PATH",
+                        help="the checkpoint folder to export; latest: the newest in OUT_DIR")
     parser.add_argument("--data_dir", default=None,
                         help="where the checkpoint's data (its tokenizer) now is, if it moved")
     parser.add_argument("--debug", action="store_true",

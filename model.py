@@ -8,16 +8,13 @@ A token's path through the model:
                ├─ x + attention(RMSNorm(x))   grouped-query, QK-norm, RoPE (none on NoPE layers)
                └─ x + SwiGLU(RMSNorm(x))
 
-Training batches are packed: one row holds several documents. `position_ids` restart at 0
-for each document (RoPE sees positions inside the document) and `seq_ids` name the
-document of each token (attention never crosses a document boundary).
+A packed row holds several documents: `position_ids` restart at 0 for each, and `seq_ids`
+name each token's document, which attention never leaves.
 
-Shape letters: B batch, T tokens in a row, S keys (T, or the cache length when
-generating), C model width (d_model), H query heads, K key/value heads, D head dim,
-V vocabulary, N = B·T rows of the loss head.
+Shapes: B batch, T tokens in a row, S keys (T, or the cache when generating), C d_model,
+H query heads, K key/value heads, D head dim, V vocabulary, N = B·T rows of the loss head.
 
-Imports from stacklm: chunked_loss (the loss heads' kernels), config (the model's shape) and
-rms_norm (RMSNorm's backward, written out).
+Imports from stacklm: config (the model's shape) and loss (the chunked loss head).
 """
 
 import contextlib
@@ -30,12 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
-                                    create_selective_checkpoint_contexts)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from config import StackConfig
-from plumbing.chunked_loss import fused_ce_z_loss, logits_ce_z_loss
-from plumbing.rms_norm import rms_norm
+from loss import fused_ce_z_loss
 
 # ---------------------------------------------------------------------------------------
 # Normalisation and rotary position embedding
@@ -43,14 +38,9 @@ from plumbing.rms_norm import rms_norm
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned gain (arXiv 1910.07467): LayerNorm without the
-    mean subtraction and bias, which costs less and trains as well.
-
-        RMSNorm(x) = x · rsqrt(mean(x²) + eps) · weight   over the last dim
-
-    The mean of squares is taken in fp32 (in bf16 it loses the small components), and the
-    result is in x's dtype. plumbing/rms_norm.py computes it with its backward written out,
-    in fewer passes than eager autograd makes of these ops."""
+    """x · rsqrt(mean(x²) + eps) · weight over the last dim (arXiv 1910.07467): LayerNorm
+    without the mean and bias, cheaper and as good. In fp32 (bf16 loses the small
+    components), the result in x's dtype."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -58,16 +48,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
+        x32 = x.float()
+        rms = torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)  # (..., 1)
+        return (x32 * rms * self.weight.float()).type_as(x)
 
 
 def rope_cos_sin(position_ids, head_dim: int, theta: float):
-    """cos and sin of the rotary angles (RoFormer, arXiv 2104.09864) for each token.
-
-    Computed from `position_ids` rather than sliced from a table by row index, so that
-    positions restart at 0 for every packed document. Frequencies are in fp32: at
-    position 2,000 a bf16 angle would be off by several radians.
-    """
+    """cos and sin of each token's rotary angles (RoFormer, arXiv 2104.09864), from
+    `position_ids`, which restart in each packed document. In fp32: at position 2,000 a
+    bf16 angle would be off by several radians."""
     exponents = torch.arange(0, head_dim, 2, device=position_ids.device,
                              dtype=torch.float32) / head_dim
     inv_freq = theta ** -exponents  # (D/2,)
@@ -76,9 +65,8 @@ def rope_cos_sin(position_ids, head_dim: int, theta: float):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate each pair (x[i], x[i + D/2]) of every head by its angle. Pairing the two halves
-    (GPT-NeoX/Llama style) rather than neighbours is the same rotation up to a fixed
-    permutation of the head dims, which the projections learn around."""
+    """Rotate each pair (x[i], x[i + D/2]) of every head by its angle (Llama's halves, not
+    neighbours: the same rotation up to a permutation the projections learn around)."""
     x1, x2 = x.float().chunk(2, dim=-1)  # (B, T, H, D/2) each
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (B, T, 1, D/2): same for every head
     rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)  # (B, T, H, D)
@@ -86,11 +74,9 @@ def apply_rope(x, cos, sin):
 
 
 def uses_rope(cfg: StackConfig, layer: int) -> bool:
-    """Layer `layer` (0-indexed) has no positional encoding when nope_every > 0 and
-    (layer + 1) % nope_every == 0, i.e. layers 4, 8, 12, … counted from 1 with the default
-    nope_every=4. Such NoPE layers (arXiv 2305.19466) still know the order of tokens through
-    the causal mask; mixing them with RoPE layers helps length generalisation (as in
-    Llama 4 and SmolLM3)."""
+    """False on every nope_every-th layer counted from 1 (4, 8, 12, … by default). NoPE layers
+    (arXiv 2305.19466) know token order through the causal mask; mixed with RoPE layers they
+    help length generalisation (as in Llama 4 and SmolLM3)."""
     return not (cfg.nope_every > 0 and (layer + 1) % cfg.nope_every == 0)
 
 
@@ -99,24 +85,17 @@ def uses_rope(cfg: StackConfig, layer: int) -> bool:
 # ---------------------------------------------------------------------------------------
 
 @functools.cache
-def compiled(kernel, **options):
-    """torch.compile(kernel), made on first use: only the CUDA path runs these, and the
-    first torch.compile imports the compiler (seconds a CPU run never needs). Eager
-    flex_attention materialises the (T, T) score matrix; compiled, it is one fused kernel
-    that skips the blocks the mask rules out. Building a BlockMask evaluates the mask rule
-    for every (query, key) pair: eagerly that makes B·T² int64 temporaries (GiBs at
-    32 × 2,048) on every forward; compiled, one fused kernel (as torchtitan does)."""
+def compiled_kernel(kernel, **options):
+    """torch.compile(kernel), made on first use (only the CUDA path needs the compiler).
+    Eager flex_attention materialises the (T, T) scores, and eager create_block_mask B·T²
+    int64 temporaries; compiled, each is one fused kernel (as torchtitan does)."""
     return torch.compile(kernel, **options)
 
 
 def attention_backend(device: torch.device, has_seq_ids: bool) -> str:
-    """Which kernel runs attention.
-
-    - "sdpa_causal": no document ids, so plain causal attention (a fused SDPA kernel).
-    - "flex": packed documents on CUDA; compiled flex_attention with a block-sparse mask
-      built from seq_ids, so blocks of other documents are skipped, not computed.
-    - "sdpa_dense": packed documents on CPU; flex_attention has no CPU backward in
-      torch 2.13, so SDPA takes an explicit (T, T) boolean mask.
+    """Which kernel runs attention: "sdpa_causal" without document ids; for packed
+    documents "flex" on CUDA (a block-sparse mask skips other documents' blocks), else
+    "sdpa_dense", an explicit (T, T) mask (flex_attention has no CPU backward in torch 2.13).
     """
     if not has_seq_ids:
         return "sdpa_causal"
@@ -138,7 +117,7 @@ def document_block_mask(seq_ids) -> BlockMask:
     def same_document_causal(b, h, q_idx, kv_idx):
         return (seq_ids[b, q_idx] == seq_ids[b, kv_idx]) & (q_idx >= kv_idx)
 
-    build = compiled(create_block_mask) if seq_ids.is_cuda else create_block_mask
+    build = compiled_kernel(create_block_mask) if seq_ids.is_cuda else create_block_mask
     return build(same_document_causal, B, None, T, T, device=seq_ids.device)
 
 
@@ -153,19 +132,14 @@ def attention_mask(seq_ids, device) -> BlockMask | torch.Tensor | None:
 
 
 def attention(q, k, v, mask):
-    """Softmax attention; q (B, H, T, D), k and v (B, K, S, D) -> (B, H, T, D).
-
-    `mask` is None (causal), a boolean tensor broadcast to (B, H, T, S) — (B, 1, T, S) for
-    packed documents, (T, S) when generating with a cache — or a BlockMask. Query head h
-    reads key/value head h // (H / K) (grouped-query attention, arXiv 2305.13245): the
-    kernels' enable_gqa does this without copying k and v H / K times.
-    """
+    """q (B, H, T, D), k and v (B, K, S, D) -> (B, H, T, D). `mask`: None (causal), a boolean
+    (B, 1, T, S) or (T, S), or a BlockMask. Query head h reads key/value head h // (H / K)
+    (arXiv 2305.13245), enable_gqa doing so without copying k and v."""
     if isinstance(mask, BlockMask):
-        # Inside a compiled block, dynamo compiles flex_attention with the rest of the block
-        # (a cached compiled copy called there is traced as an opaque function, which dynamo
-        # warns may be silently wrong); called eagerly, it needs a compiled copy of its own.
+        # A compiled block compiles flex_attention with itself (a compiled copy called there
+        # may be silently wrong, dynamo warns); called eagerly, it needs a compiled copy.
         flex = flex_attention if torch.compiler.is_compiling() else \
-            compiled(flex_attention, dynamic=False)
+            compiled_kernel(flex_attention, dynamic=False)
         return flex(q, k, v, block_mask=mask, enable_gqa=True)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -187,12 +161,9 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention (arXiv 2305.13245) with QK-norm (arXiv 2302.05442).
-
-    QK-norm: RMSNorm on each head's q and k bounds the attention logits, which removes
-    the logit-growth instability of long, high-learning-rate runs. It is applied before
-    RoPE so the rotation acts on unit-scale vectors.
-    """
+    """Grouped-query self-attention (arXiv 2305.13245) with QK-norm (arXiv 2302.05442): RMSNorm
+    on each head's q and k, before RoPE, bounds the attention logits, which otherwise grow
+    in long, high-learning-rate runs."""
 
     def __init__(self, cfg: StackConfig, use_rope: bool):
         super().__init__()
@@ -236,15 +207,10 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block. Takes plain tensors (and the mask built once per forward) so
-    the trainer can torch.compile and FSDP-shard each block on its own.
-
-    `recompute` trades compute for memory (activation recomputation, also called activation
-    checkpointing): "none" keeps every activation backward needs; "full" keeps only the
-    block's input and recomputes the rest in backward (~1/3 more compute); "selective" keeps
-    what `selective_recompute` names and recomputes the rest. The trainer sets it from
-    TrainConfig.activation_recompute. The recomputation runs inside `forward`, so a compiled
-    block compiles it too, and FSDP2 gathers the block's weights for it as for the forward."""
+    """Pre-norm residual block, on plain tensors so each block compiles and shards alone.
+    `recompute` (TrainConfig.activation_recompute) trades compute for memory: "none" keeps
+    every activation, "full" only the block's input (~1/3 more compute), "selective" what
+    `selective_recompute` names. It runs inside `forward`, so compile and FSDP2 see it."""
 
     def __init__(self, cfg: StackConfig, layer: int):
         super().__init__()
@@ -258,9 +224,11 @@ class Block(nn.Module):
         if self.recompute == "none" or not torch.is_grad_enabled():
             return self.residual(x, cos, sin, mask, kv_cache)
         if self.recompute == "full":
-            return checkpoint(self.residual, x, cos, sin, mask, use_reentrant=False)
-        return checkpoint(self.residual, x, cos, sin, mask, use_reentrant=False,
-                          context_fn=selective_recompute)
+            return torch.utils.checkpoint.checkpoint(self.residual, x, cos, sin, mask,
+                                                     use_reentrant=False)
+        return torch.utils.checkpoint.checkpoint(self.residual, x, cos, sin, mask,
+                                                 use_reentrant=False,
+                                                 context_fn=selective_recompute)
 
     def residual(self, x, cos, sin, mask, kv_cache: KVCache | None = None):
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, kv_cache)
@@ -271,23 +239,19 @@ class Block(nn.Module):
 # their outputs (recomputing attention costs as much as computing it).
 aten = torch.ops.aten
 ATTENTION_OPS = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default,  # SDPA on a CPU
-    aten._scaled_dot_product_flash_attention.default,  # SDPA on CUDA
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,
-    torch.ops.higher_order.flex_attention,  # packed documents on CUDA
+    torch.ops.higher_order.flex_attention,
 }
 
 
 def selective_recompute():
-    """What a block keeps for backward under activation_recompute=selective (torchtitan's
-    "op" policy): the outputs of the expensive ops, attention and every other matmul (the
-    1st, 3rd, 5th and 7th: q_proj, v_proj, gate_proj, down_proj); everything else is
-    recomputed in backward: the other matmuls (k_proj, o_proj, up_proj), and the norms,
-    RoPE, SiLU and casts, elementwise work that costs little to redo. Made anew for each
-    block's forward, so each counts its own matmuls (a count shared by all blocks would
-    keep other matmuls in each: torchtitan #3397); its recomputation counts apart from its
-    forward, and finds the kept outputs by the same count."""
+    """What a block keeps under activation_recompute=selective (torchtitan's "op" policy):
+    attention's output and every other matmul's (q_proj, v_proj, gate_proj, down_proj);
+    the rest (k_proj, o_proj, up_proj, norms, RoPE, SiLU) is recomputed. Made anew for each
+    block's forward, so each block counts its own matmuls, and its recomputation apart."""
     matmuls = {"forward": 0, "recompute": 0}
 
     def policy(ctx, op, *args, **kwargs):
@@ -304,8 +268,11 @@ def selective_recompute():
 
 
 # ---------------------------------------------------------------------------------------
-# The loss: cross-entropy + z-loss, plainly (the chunked head: chunked_loss.py)
+# The loss: cross-entropy + z-loss (the chunked head at scale: loss.py)
 # ---------------------------------------------------------------------------------------
+# The logits' precision, in every head: the loss is computed in fp32, from the logits the
+# head's matmul writes: the plain head's in the blocks' precision (bf16 under autocast, as
+# nanoGPT's), the chunked head's and those scoring and sampling read in fp32.
 
 
 class Loss(NamedTuple):
@@ -318,38 +285,48 @@ class Loss(NamedTuple):
 
 def reference_loss(logits, targets, z_loss: float, ignore_index: int = -100,
                    reduction: str = "mean") -> Loss:
-    """The training loss, written plainly. logits (N, V), targets (N,).
-
-    ce is the cross-entropy of the targets (in nats); z is PaLM's z-loss, z_loss·lse² with
-    lse = logsumexp of a row's logits (arXiv 2204.02311, §5): it keeps the softmax
-    normaliser near 1 and the logits from drifting in bf16. Both are summed over the
-    targets that are not ignore_index and, for "mean", divided by their number; "none"
-    keeps one number per target (N,), for scoring (downstream.py sums a choice's).
-
-    `Transformer.forward` scores with it chunk by chunk, and trains with its numbers through
-    plumbing/chunked_loss.py: when model.ce_chunk_size is 0, as `tiny` does, on the whole
-    (N, V) logits (`logits_ce_z_loss`, a chunk of rows at a time with the gradient written
-    out); when it is set, without them (`fused_ce_z_loss`): they would take 8 GiB in fp32
-    for one Stack-100M micro-batch (N = 32 × 2,048, V = 32,768), and as much again for
-    their gradient."""
+    """The training loss of logits (N, V), any dtype, and targets (N,). Per row with lse =
+    logsumexp(l): ce = lse − l_y in nats, and z = z_loss·lse², PaLM's z-loss (arXiv
+    2204.02311, §5), which keeps the softmax normaliser near 1 and the logits from drifting
+    in bf16. Summed over the targets that are not ignore_index ("mean": divided by their
+    number); "none" keeps each target's (N,), for scoring."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32
     kept = targets != ignore_index
-    if reduction == "none":  # each target's own (N,) numbers, 0 where ignored
-        ce = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")
-        z = z_loss * torch.where(kept, logits.logsumexp(dim=-1).square(), 0.0)
+    at_target = targets.masked_fill(~kept, 0)[:, None]  # (N, 1); any real index where ignored
+    log_probs = F.log_softmax(logits, dim=-1)  # (N, V): l − lse
+    log_p = log_probs.gather(1, at_target).squeeze(1)  # (N,): l_y − lse
+    lse = logits.gather(1, at_target).squeeze(1) - log_p  # (N,)
+    ce = torch.where(kept, -log_p, 0.0)
+    z = torch.where(kept, z_loss * lse.square(), 0.0)
+    if reduction == "none":
         return Loss(ce + z, ce.detach(), z.detach())
-    ce = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
-    z = z_loss * logits.logsumexp(dim=-1)[kept].square().sum()
-    n = kept.sum() if reduction == "mean" else 1
+    ce, z = ce.sum(), z.sum()
+    n = kept.sum().clamp(min=1) if reduction == "mean" else 1
     return Loss((ce + z) / n, ce.detach() / n, z.detach() / n)
 
 
 def fp32_logits(hidden, weight):
-    """hidden (..., C) @ weight.T (V, C) -> (..., V) fp32 logits: the matmul in fp32 whatever
-    autocast says (a bf16 one would round every logit to 8 bits of mantissa; on CUDA it runs
-    on TF32 tensor cores, launch.py's matmul precision "high"), and with fp32 operands (under
-    FSDP2's bf16 they arrive rounded, as the chunked head's do)."""
+    """hidden (..., C) @ weight.T (V, C) -> (..., V) logits in fp32 whatever autocast says
+    (on CUDA TF32, launch.py's matmul precision "high")."""
     with torch.autocast(hidden.device.type, enabled=False):
         return F.linear(hidden.float(), weight.float())
+
+
+# Rows of logits the plain head's loss takes at once: 256 × V fp32 for tiny's V = 4,096 is
+# 4 MiB, which stays in a CPU's cache between the passes over it.
+PLAIN_ROWS = 256
+
+
+def plain_head_loss(hidden, weight, targets, z_loss: float, reduction: str) -> Loss:
+    """The plain head: the tied embedding's logits (N, V) in the blocks' precision, into
+    reference_loss PLAIN_ROWS rows at a time (each row's loss is its own): a chunk's fp32
+    copy, softmax and gradient stay in a CPU's cache (docs/figures.md)."""
+    logits = F.linear(hidden, weight)  # (N, V)
+    sums = [reference_loss(rows, rows_targets, z_loss, reduction="sum")
+            for rows, rows_targets in zip(logits.split(PLAIN_ROWS), targets.split(PLAIN_ROWS),
+                                          strict=True)]
+    n = (targets != -100).sum().clamp(min=1) if reduction == "mean" else 1
+    return Loss(*(torch.stack(part).sum() / n for part in zip(*sums, strict=True)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -359,10 +336,7 @@ def fp32_logits(hidden, weight):
 
 class Transformer(nn.Module):
     """Decoder-only transformer; the LM head is the embedding matrix (tied, arXiv 1608.05859).
-
-    The trainer sets each block's `recompute` (Block) and `loss_head_dtype` ("fp32" or
-    "bf16", the loss head's matmul operands) from TrainConfig.
-    """
+    The trainer sets each block's `recompute` and `loss_head_dtype` from TrainConfig."""
 
     def __init__(self, cfg: StackConfig):
         super().__init__()
@@ -376,19 +350,12 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self):
         """Initialise every tensor; s = cfg.init_std (0.02), L = cfg.n_layers.
-
-        - embed.weight (V, C), also the LM head: normal(0, s), GPT-2's choice (Radford et
-          al. 2019). With unit-RMS hidden states the first logits have std s·√C ≈ 0.45, so
-          the first loss is ≈ ln V.
+        - embed.weight, also the LM head: normal(0, s), GPT-2's choice: with unit-RMS hidden
+          states the first logits have std s·√C ≈ 0.45, so the first loss is ≈ ln V.
         - q_proj, k_proj, v_proj, gate_proj, up_proj: normal(0, s).
-        - o_proj, down_proj, the two matrices of each block that write into the residual
-          stream: normal(0, s/√(2L)). There are 2L such writes: each adds variance in
-          proportion to s²/(2L) rather than s², so the residual grows far more slowly with
-          depth than it would at s (GPT-2 §2.3; Megatron-LM's "scaled init", arXiv
-          1909.08053).
-        - every RMSNorm gain (attn_norm, mlp_norm, q_norm, k_norm, the final norm): ones,
-          so each norm starts as pure normalisation.
-        """
+        - o_proj, down_proj, the 2L writes into the residual stream: normal(0, s/√(2L)), so
+          the residual's variance does not grow with depth (GPT-2 §2.3; arXiv 1909.08053).
+        - every RMSNorm gain: ones, so each norm starts as pure normalisation."""
         std, residual_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         nn.init.normal_(self.embed.weight, std=std)
         for block in self.blocks:
@@ -403,34 +370,26 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids, targets, position_ids=None, seq_ids=None,
                 reduction="mean") -> Loss:
-        """input_ids, targets, position_ids, seq_ids: (B, T) integer tensors -> Loss(loss, ce,
-        z): CE + z-loss over the non-ignored targets, their mean or (reduction="sum") sum; or
-        (reduction="none", for scoring) each target's own numbers."""
+        """(B, T) integer tensors -> Loss: the mean or "sum" over the non-ignored targets, or
+        ("none", for scoring) each target's own numbers."""
         x = self.hidden_states(input_ids, position_ids, seq_ids).flatten(0, 1)  # (N, C)
         targets = targets.flatten()  # (N,)
         if reduction != "none" and not self.cfg.ce_chunk_size:
             return self.plain_head(x, targets, reduction)
         if reduction != "none":
-            # The same number without the (N, V) logits, ce_chunk_size rows at a time: the
-            # head at scale, where one Stack-100M micro-batch's logits alone take 8 GiB.
+            # loss.py's chunked head: the same number without the (N, V) logits.
             return Loss(*fused_ce_z_loss(x, self.embed.weight, targets, self.cfg.z_loss,
                                          self.cfg.ce_chunk_size, reduction=reduction,
                                          head_dtype=self.loss_head_dtype))
-        # Scoring (downstream.py, no gradient): each target's (N,) numbers, ce_chunk_size
-        # rows of logits at a time (this forward, not `logits`, which holds all (B, T, V)).
+        # Scoring (downstream.py): each target's numbers, ce_chunk_size rows at a time.
         rows = self.cfg.ce_chunk_size or len(x)
         parts = [reference_loss(fp32_logits(h, self.embed.weight), t, self.cfg.z_loss,
-                                reduction="none")  # (rows, V) logits -> (rows,) each
+                                reduction="none")
                  for h, t in zip(x.split(rows), targets.split(rows), strict=True)]
         return Loss(*(torch.cat(part) for part in zip(*parts, strict=True)))
 
     def plain_head(self, hidden, targets, reduction: str) -> Loss:
-        """The plain head: the tied embedding turns each hidden state (N, C) into V logits,
-        in the blocks' matmul precision (bf16 under autocast, as nanoGPT's head), and
-        reference_loss takes them in fp32. plumbing/chunked_loss.py computes it a chunk of
-        rows at a time: one logsumexp for both terms, and its gradient in one pass."""
-        logits = F.linear(hidden, self.embed.weight)  # (N, V)
-        return Loss(*logits_ce_z_loss(logits, targets, self.cfg.z_loss, reduction=reduction))
+        return plain_head_loss(hidden, self.embed.weight, targets, self.cfg.z_loss, reduction)
 
     def logits(self, input_ids, position_ids=None, seq_ids=None, last_only=False):
         """fp32 logits (B, T, V), or (B, 1, V) of the last position with last_only."""
@@ -454,11 +413,8 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None):
-        """Extend each row of input_ids (B, T0) by max_new_tokens sampled tokens -> (B, T0+n).
-
-        The prompt is run once, filling one KVCache per layer; each later step feeds only
-        the newest token, at position T0 + i. temperature=0 is greedy decoding.
-        """
+        """input_ids (B, T0) -> (B, T0 + max_new_tokens). The prompt runs once, filling a
+        KVCache per layer; each later step feeds only the newest token."""
         total = input_ids.shape[1] + max_new_tokens
         if total > self.cfg.max_seq_len:
             raise ValueError(f"prompt of {input_ids.shape[1]} tokens + max_new_tokens="
@@ -493,10 +449,8 @@ class Transformer(nn.Module):
 
 @contextlib.contextmanager
 def root_gathered(model: Transformer):
-    """`generate` and `logits` use the root's own parameters (the tied embedding, the final
-    norm) outside `forward`. Under FSDP2 (`fully_shard`) only a module's forward gathers its
-    parameters, so these would meet a DTensor shard: gather the root's group for the
-    duration (each block still gathers its own in its forward). Unsharded: nothing to do."""
+    """The root's parameters (tied embedding, final norm), gathered for `generate` and
+    `logits`: under FSDP2 only a module's forward gathers them, and these run outside it."""
     if not isinstance(model, FSDPModule):
         yield
         return
@@ -513,9 +467,8 @@ TEMPERATURE, TOP_K = 0.8, 50
 
 def complete(model, tokenizer, prompt: str, max_new_tokens: int,
              temperature: float = TEMPERATURE, top_k: int | None = TOP_K, *, eos_id: int) -> str:
-    """One completion of `prompt` as text (`tokenizer` is the model's `tokenizers.Tokenizer`,
-    eos_id the token that opens each document in its data), opened with it as every
-    training document is, and cut where the model generates it."""
+    """One completion of `prompt` as text, opened with eos_id as every training document
+    is, and cut where the model generates it."""
     ids = [eos_id] + tokenizer.encode(prompt).ids
     device = model.embed.weight.device
     tokens = model.generate(torch.tensor([ids], device=device), max_new_tokens,
@@ -566,16 +519,11 @@ def count_matmul_params(cfg: StackConfig) -> int:
 
 
 def flops_per_token(cfg: StackConfig, seq_len: int, convention: str = "causal") -> float:
-    """Training FLOPs (forward + backward) per token at sequence length `seq_len`.
-
-    Each matmul parameter costs 2 FLOPs per token forward and 4 backward: 6 in all.
-    Attention's scores and weighted sum cost 4·s·d_q per token per layer forward, 12
-    with backward, where d_q = H·D.
-    - "causal": 6·N + 6·L·s·d_q, the count of Kaplan et al. (arXiv 2001.08361, §2.1) with N
-      all parameters, the tied embedding once: the attention term is halved because a
-      causal mask needs only half the scores.
-    - "palm": 6·N_matmul + 12·L·H·D·s, PaLM's appendix B (arXiv 2204.02311) and torchtitan's
-      MFU convention: the full, unmasked attention cost.
+    """Training FLOPs per token at s = seq_len: 6 per matmul parameter (2 forward, 4
+    backward), and attention's 12·s·d_q per layer (d_q = H·D), with
+    - "causal": 6·N + 6·L·s·d_q (Kaplan et al., arXiv 2001.08361, §2.1), N all parameters,
+      attention halved by the causal mask;
+    - "palm": 6·N_matmul + 12·L·d_q·s (PaLM's appendix B, arXiv 2204.02311; torchtitan's MFU).
     """
     L, d_q = cfg.n_layers, cfg.n_heads * cfg.head_size
     if convention == "causal":

@@ -49,7 +49,8 @@ def load_export(export_dir: str, device: str = "cpu") -> tuple[Transformer, Toke
         raise FileNotFoundError(f"--export {export} has no {', '.join(missing)} (sampling "
                                 f"needs {', '.join(EXPORT_FILES)}); {how_to_export(export)}")
     try:
-        cfg = StackConfig(**json.loads((export / "config.json").read_text(encoding="utf-8")))
+        saved = json.loads((export / "config.json").read_text(encoding="utf-8"))
+        cfg = StackConfig.from_saved(saved)
     except (ValueError, TypeError) as e:  # bad JSON, an unknown or a bad field
         raise ValueError(f"{export / 'config.json'} is not a model config ({e}); "
                          f"{how_to_export(export)}") from e

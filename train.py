@@ -5,12 +5,11 @@
     accelerate launch --config_file accelerate_configs/ddp.yaml train.py   # many GPUs
 
 `main(cfg)` is the whole program: `setup` builds the run's parts, `train` is the loop, and a
-finished run prints a sample. Each pass of the loop evaluates (every eval_every steps) and
-checkpoints (every ckpt_every) the step it has reached, sets the learning rates and the
-data stage from the step, takes one optimizer step (`train_step`: forward and backward over
-every micro-batch, clip, step) and logs. The last step is evaluated and saved by the same
-lines, however the run reaches it. accelerate supplies the launch, DDP, bf16 autocast and
-the accumulation's gradient sync; train.py shards for FSDP2 itself (`shard_model`).
+finished run prints a sample. Each pass evaluates (every eval_every steps) and checkpoints
+(every ckpt_every) the step it reached, sets the lrs and the data stage from the step, takes
+one optimizer step (`train_step`) and logs; the last step is evaluated and saved by the same
+lines. accelerate supplies the launch, DDP, bf16 autocast and the accumulation's gradient
+sync; train.py shards for FSDP2 itself (`shard_model`).
 
 Imports from stacklm: checkpoint, cli, config, data, downstream, launch, log, model, optim,
 overrides, preflight, resume and shards: it composes them. config, data, model and optim
@@ -152,7 +151,7 @@ def setup(cfg: TrainConfig, force: bool = False) -> Run:
         loader = data.MixtureLoader(plan.stages, cfg.seq_len, cfg.micro_batch_size,
                                     accelerator.process_index, accelerator.num_processes,
                                     seed=cfg.seed)
-    model = build_model(cfg, plan.compile)
+    model = build_model(cfg, plan.compile_blocks)
     bf16 = accelerator.mixed_precision == "bf16"
     if plan.sharded:  # before the optimizers are built, so they hold the sharded parameters
         model = shard_model(model, accelerator.device, bf16,
@@ -186,21 +185,16 @@ def train_step(run: Run, stop: launch.StopFlag) -> StepResult:
     """One optimizer step over the global batch: forward and backward on every micro-batch,
     clip, step both optimizers; a non-finite loss or norm skips the update.
 
-    Loss normalisation: the loss is the mean over every target token of the global batch,
-    all micro-batches on all ranks, as if it were one big batch. Each micro-batch returns
-    the *sum* of its token losses, and the global batch's targets are counted before any
-    backward pass. A mean of per-micro-batch means would weight each token by 1 / (the
-    targets of its micro-batch): the same on training's packed full windows (data.pack), and
-    wrong where counts differ, as in the val split's padded last rows and the downstream
-    tasks' rows, which sum and count the same way (tests/test_fsdp.py masks targets to see)."""
+    The loss is the mean over every target token of the global batch, all micro-batches on
+    all ranks, as one big batch: each micro-batch returns the *sum* of its token losses, over
+    the targets counted before any backward. A mean of per-micro-batch means would weight
+    each token by 1 / (its micro-batch's targets): wrong wherever the counts differ."""
     cfg, accelerator, model = run.cfg, run.accelerator, run.model
     world = accelerator.num_processes
     accum = cfg.grad_accum_steps(world)
     t0 = time.perf_counter()
-    # Every micro-batch is read before the first forward: the global token count is the
-    # denominator of each one's loss. That gives up overlapping the next read with this
-    # compute (nanoGPT prefetches), which costs little: the loader reads far faster than a
-    # GPU trains (docs/figures.md, the loader's row).
+    # Every micro-batch is read first: the global token count is each one's denominator.
+    # No overlap of reading with compute (nanoGPT prefetches) costs little (docs/figures.md).
     batches = [next(run.loader) for _ in range(accum)]  # accum × (B, T) per rank
     n_tokens = sum(int((b["targets"] != -100).sum()) for b in batches)
     n_tokens = accelerator.reduce(torch.tensor(n_tokens, device=accelerator.device), "sum")
@@ -294,7 +288,7 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def build_model(cfg: TrainConfig, compile_model: bool) -> Transformer:
+def build_model(cfg: TrainConfig, compile_blocks: bool) -> Transformer:
     """The model, seeded so every rank starts from identical weights. Each block is compiled
     on its own (torchtitan's regional compilation): fast, and FSDP2's hooks, added later
     around each block, stay outside the compiled code, which whole-model compiling skips."""
@@ -303,7 +297,7 @@ def build_model(cfg: TrainConfig, compile_model: bool) -> Transformer:
     model.loss_head_dtype = cfg.loss_head_dtype
     for layer, block in enumerate(model.blocks):  # recompute, then compile, then shard
         block.recompute = cfg.block_recompute(layer)
-    if compile_model:
+    if compile_blocks:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block)
     return model

@@ -8,7 +8,7 @@ V = 32,768 and d = 512 are Stack-100M's, and so is a chunk of 4,096 rows (ce_chu
 
 "naive" is hidden @ weight.T in fp32 followed by F.cross_entropy (no z-loss, so the
 comparison flatters it slightly), measured once per row count since it has no chunks;
-"chunked" is plumbing/chunked_loss.py's fused_ce_z_loss with z-loss, at each chunk size.
+"chunked" is loss.py's fused_ce_z_loss with z-loss, at each chunk size.
 Both run loss + backward for the hidden states and the head weight. Each call runs in its own subprocess, so its peak
 is its own, measured above the memory once the inputs exist: on a CPU the peak RSS (ru_maxrss,
 a high-water mark), on a GPU torch.cuda.max_memory_allocated. The calls alternate for
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from plumbing.chunked_loss import fused_ce_z_loss  # noqa: E402
+from loss import fused_ce_z_loss  # noqa: E402
 from plumbing import cli  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

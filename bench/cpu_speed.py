@@ -161,23 +161,19 @@ VARIANTS = {  # name: (make a step, bf16, compiled)
 
 # --- the levers: what each replaced, as the plain expression it computes ------------------
 
-def plain_loss(logits, targets, z_loss, reduction):
-    """Before one_logsumexp: reference_loss by autograd, F.cross_entropy and the z-loss's
-    logsumexp each making the softmax, on an fp32 copy of the logits."""
-    return model.reference_loss(logits.float(), targets, z_loss, reduction=reduction)
+def whole_logits(self, hidden, targets, reduction):
+    """Before plain_rows: the plain head's loss on all (N, V) logits at once."""
+    with mock.patch.object(model, "PLAIN_ROWS", len(hidden)):
+        return PLAIN_HEAD(self, hidden, targets, reduction)
 
 
 def fp32_head(self, hidden, targets, reduction):
     """Before bf16_head: the plain head's matmul in fp32 whatever autocast says."""
-    logits = model.fp32_logits(hidden, self.embed.weight)
-    return model.Loss(*model.logits_ce_z_loss(logits, targets, self.cfg.z_loss,
-                                              reduction=reduction))
+    with torch.autocast(hidden.device.type, enabled=False):
+        return PLAIN_HEAD(self, hidden.float(), targets, reduction)
 
 
-def plain_rms_norm(x, weight, eps):
-    """Before rms_norm_backward: RMSNorm's formula through autograd."""
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).type_as(x)
+PLAIN_HEAD = model.Transformer.plain_head
 
 
 def separate_multiplies(G, steps=5, dtype=torch.float32):
@@ -199,20 +195,20 @@ def one_by_one(self, updates, group):
     return [self._orthogonalize(update, group) for update in updates]
 
 
-def torch_rms_norm(x, weight, eps):
+def torch_rms_norm(self, x):
     """An alternative not taken: torch's own F.rms_norm (on a CPU its eager kernel is made of
     the same ops)."""
-    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).type_as(x)
+    return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
 
 
 LEVERS = {  # name: what undoes it
-    "one_logsumexp": lambda: mock.patch.object(model, "logits_ce_z_loss", plain_loss),
+    "plain_rows": lambda: mock.patch.object(model.Transformer, "plain_head", whole_logits),
     "bf16_head": lambda: mock.patch.object(model.Transformer, "plain_head", fp32_head),
-    "rms_norm_backward": lambda: mock.patch.object(model, "rms_norm", plain_rms_norm),
     "ns_matmul_add": lambda: mock.patch.object(optim, "newton_schulz", separate_multiplies),
     "ns_stacked": lambda: mock.patch.object(optim.Muon, "_orthogonalize_bucket", one_by_one),
 }
-ALTERNATIVES = {"torch_rms_norm": lambda: mock.patch.object(model, "rms_norm", torch_rms_norm)}
+ALTERNATIVES = {"torch_rms_norm": lambda: mock.patch.object(model.RMSNorm, "forward",
+                                                            torch_rms_norm)}
 
 
 def timed_steps(make, bf16: bool, compiled: bool, cfg, batches: list, patched=None):

@@ -1,84 +1,144 @@
 #!/usr/bin/env bash
-# One prepared GPU check for a single H100/H200 (about 7 minutes, no downloads):
-#   1. the CUDA tests (flex_attention vs the dense-mask path, bf16 vs fp32 training, pinned
-#      memory);
-#   2. Stack-100M on the built-in corpus, compile + bf16, micro-batch 32 x 2,048, no
-#      activation checkpointing, for STEPS steps: tokens/s, MFU in both conventions, peak
-#      memory beside the start-up estimate;
-#   3. the FSDP2 path (accelerate_configs/fsdp2.yaml) with one process for a few steps,
-#      then the same command again, which resumes from the checkpoint the first one saved:
-#      train.py's own sharding, the path tests/test_fsdp.py runs on CPU processes.
-# Every stage runs whatever the one before did (a lent GPU gives one call), and the check
-# ends with one JSON line: each stage's exit status, and the figures of those that ran.
-#   Usage: bash bench/gpu_check.sh [--quick] [OUT_DIR]
-# --quick (about 3 minutes) skips 2., which bench/gpu_sweep.py's `default` row measures,
-# and runs 3. for 2 + 2 steps: `bash bench/gpu_check.sh --quick; python
-# bench/gpu_sweep.py --budget_s=300 --steps=15` fits one 9-minute device call.
+# The first lent GPU's one prepared call: at most 9 minutes on one H100/H200, no downloads.
+# docs/figures.md gives its budget stage by stage, and the second call's plan. In order:
+#   versions     python, torch, CUDA, accelerate and the GPU, written first; every import
+#                the call needs, checked: one missing is one line, and the call stops;
+#   prepare      the built-in corpus (data/stdlib-32k), if missing;
+#   cuda_tests   the tests that skip without CUDA (the files that mark them, found by grep);
+#   fsdp2_first  Stack-100M as docs/scale.md runs it: accelerate launch with fsdp2.yaml,
+#                one process, compiled blocks, bf16, FIRST_STEPS steps and a checkpoint
+#                (tokens/s, MFU, peak memory beside the banner's estimate);
+#   fsdp2_resumed  the same command to RESUMED_STEPS: it resumes from that checkpoint;
+#   sweep        bench/gpu_sweep.py's rows in the docs' order, each bounded, in the time left.
+# Each stage has its own bound (timeout) and runs whatever the one before did (a lent GPU
+# gives one call). Logs, figures and one JSON line go to $OUT (the device tool's folder;
+# /tmp/gpu_check without it); the checkpoints, gigabytes, to $RUNS (/tmp/gpu_check_runs).
+#   Usage: bash bench/gpu_check.sh [--dry_run]
+# --dry_run runs every stage on a CPU at micro shapes, uncompiled, in fp32 (the tests do).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-quick=false
-if [ "${1:-}" = "--quick" ]; then quick=true; shift; fi
-out=${1:-/tmp/gpu_check}
-steps=${STEPS:-150}  # 150 steps read the built-in corpus ~10 times: within --max_epochs=16
-fsdp_steps=6
-if $quick; then fsdp_steps=2; fi
-mkdir -p "$out"
+dry=false
+if [ "${1:-}" = "--dry_run" ]; then dry=true; shift; fi
+out=${OUT:-/tmp/gpu_check}
+runs=${RUNS:-/tmp/gpu_check_runs}
 # A rerun starts afresh: it never resumes an old run, nor reports an old stage's status.
-rm -rf "$out/stack100m" "$out/fsdp2" && rm -f "$out"/*.status
+rm -rf "$runs" && mkdir -p "$out" "$runs" && rm -f "$out"/*.status "$out"/*.seconds
 export PYTHONUNBUFFERED=1
+call_s=530  # the call's whole budget, under the device tool's 9 minutes
+started=$SECONDS
 
-stage() {  # stage NAME COMMAND...: run it, its output to the terminal and $out/NAME.log,
-  local name=$1; shift  # its exit status to $out/NAME.status
-  "$@" 2>&1 | grep --line-buffered -v "it/s]" | tee "$out/$name.log"
+if $dry; then
+  preset=tiny
+  # bounds in seconds: versions prepare cuda_tests fsdp2_first fsdp2_resumed (generous for
+  # a loaded CPU; the stages take seconds)
+  bounds=(60 300 120 120 120)
+  first_steps=2; resumed_steps=3
+  shape=(--model.n_layers=1 --model.d_model=64 --model.intermediate=176 --seq_len=16
+         --micro_batch_size=8 --global_batch_tokens=256 --eval_tokens=256
+         --downstream_items=4 --compile_model=false --mixed_precision=no)
+  sweep=(--dry-run)
+else
+  preset=stack100m
+  bounds=(30 60 90 150 90)
+  first_steps=12; resumed_steps=18
+  shape=(--eval_tokens=65536 --compile_model=true --mixed_precision=bf16)
+  sweep=(--steps=5 --warmup=1 --min_variant_s=20)
+fi
+
+stage() {  # stage NAME BOUND COMMAND...: run it within BOUND seconds, its output to the
+  local name=$1 bound=$2 from=$SECONDS; shift 2  # terminal and $out/NAME.log, its exit
+  timeout --kill-after=10 "$bound" "$@" 2>&1 | grep --line-buffered -v "it/s]" \
+    | tee "$out/$name.log"  # status to NAME.status and its seconds to NAME.seconds
   echo "${PIPESTATUS[0]}" > "$out/$name.status"
+  echo $((SECONDS - from)) > "$out/$name.seconds"
 }
 
-stage cuda_tests python -m pytest -q -m cuda tests/
-[ -f data/stdlib-32k/manifest.json ] || stage prepare python prepare.py
+stage versions "${bounds[0]}" python - "$out/versions.json" <<'EOF'
+import importlib, json, platform, sys
+needed = ["torch", "accelerate", "numpy", "tokenizers", "tqdm", "matplotlib", "pytest",
+          "safetensors", "psutil"]  # requirements.txt but wandb, which the call leaves off
+import torch
+if torch.cuda.is_available():
+    needed.append("triton")  # torch.compile's GPU kernels
+for name in needed:
+    try:
+        importlib.import_module(name)
+    except Exception as e:  # one line, then the call stops: nothing after it could run
+        print(f"versions: cannot import {name} ({type(e).__name__}: {e}); install it "
+              f"(pip install -r requirements.txt) and run the call again", file=sys.stderr)
+        sys.exit(2)
+import accelerate
+versions = {"python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "accelerate": accelerate.__version__,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            **{name: getattr(sys.modules[name], "__version__", None) for name in needed}}
+print(json.dumps(versions))
+open(sys.argv[1], "w").write(json.dumps(versions))
+EOF
+if [ "$(cat "$out/versions.status")" != 0 ]; then
+  echo "gpu_check: stopped: the versions stage failed ($out/versions.log)" >&2
+  exit 2
+fi
 
-# Stack-100M for $steps steps. stop_at_step < the decay start, so the schedule is the
-# reference one; evaluation and checkpoints are pushed past the end of this check.
-$quick || stage stack100m python train.py --preset=stack100m --out_dir="$out/stack100m" \
-  --resume=none --stop_at_step="$steps" --eval_every=100000 --ckpt_every=100000 --log_every=10
+stage prepare "${bounds[1]}" python -c "import config, prepare
+cfg = config.$preset()
+prepare.ensure_builtin([cfg.data_dir], cfg.model.vocab_size)"
 
-# FSDP2 with one process: $fsdp_steps steps and a checkpoint, then resume to twice that.
+mapfile -t cuda_files < <(grep -l "mark.cuda" tests/test_*.py)
+stage cuda_tests "${bounds[2]}" python -m pytest -q -m cuda "${cuda_files[@]}"
+
+# The production path. Evaluation and the end's sample run, as in any run; a small
+# eval_tokens keeps them short.
 fsdp=(accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 1
-      train.py --preset=stack100m --out_dir="$out/fsdp2" --compile_model=false
-      --log_every=1 --eval_every=100000 --ckpt_every=100000)
-stage fsdp2_first "${fsdp[@]}" --stop_at_step=$fsdp_steps
-stage fsdp2_resumed "${fsdp[@]}" --stop_at_step=$((2 * fsdp_steps))
+      train.py --preset=$preset --out_dir="$runs/fsdp2" --log_every=1 --eval_every=100000
+      --ckpt_every=$first_steps "${shape[@]}")
+stage fsdp2_first "${bounds[3]}" "${fsdp[@]}" --resume=none --stop_at_step=$first_steps
+stage fsdp2_resumed "${bounds[4]}" "${fsdp[@]}" --stop_at_step=$resumed_steps
+cp "$runs/fsdp2/metrics.jsonl" "$out/fsdp2.metrics.jsonl" 2>/dev/null
+ls "$runs/fsdp2/ckpt" > "$out/fsdp2.checkpoints" 2>/dev/null
 
-python - "$out" <<'EOF'
+left=$((call_s - (SECONDS - started) - 15))  # 15 s for the report
+stage sweep $((left + 30)) python bench/gpu_sweep.py "${sweep[@]}" --budget_s=$left
+
+python - "$out" "$first_steps" "$resumed_steps" <<'EOF'
 import json, re, statistics, sys
 from pathlib import Path
-out = Path(sys.argv[1])
+out, first_steps, resumed_steps = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+NAMES = ("versions", "prepare", "cuda_tests", "fsdp2_first", "fsdp2_resumed", "sweep")
 
-def text(name):  # a file the check wrote, or "" where its stage did not run or write it
+def text(name):  # a file the call wrote, or "" where its stage did not run or write it
     path = out / name
     return path.read_text() if path.exists() else ""
 
-def records(run):
-    return [json.loads(l) for l in text(f"{run}/metrics.jsonl").splitlines() if l.strip()]
+def last_json(name):
+    lines = [l for l in text(name).splitlines() if l.startswith("{")]
+    return json.loads(lines[-1]) if lines else None
 
-stages = {name: int(text(f"{name}.status")) if text(f"{name}.status") else "skipped"
-          for name in ("cuda_tests", "prepare", "stack100m", "fsdp2_first", "fsdp2_resumed")}
-train = [r for r in records("stack100m") if r["kind"] == "train"]
-steady = [r for r in train if r["step"] > 30] or train  # after compile and warm-up
-median = lambda key: statistics.median(r[key] for r in steady) if steady else None
-estimate = re.search(r"= ([\d.]+) GiB", text("stack100m.log"))
-fsdp = [r for r in records("fsdp2") if r["kind"] == "train"]
+stages = {name: {"status": int(text(f"{name}.status") or -1),
+                 "seconds": int(text(f"{name}.seconds") or 0)} for name in NAMES}
+records = [json.loads(l) for l in text("fsdp2.metrics.jsonl").splitlines() if l.strip()]
+train = [r for r in records if r["kind"] == "train"]
+steady = [r for r in train if 3 < r["step"] <= first_steps] or train  # after compile
+def median(key):  # None where no step has the figure (MFU on a CPU)
+    values = [r[key] for r in steady if r.get(key) is not None]
+    return statistics.median(values) if values else None
+estimate = re.search(r"memory estimate per rank: .*= ([\d.]+) GiB", text("fsdp2_first.log"))
 tests = text("cuda_tests.log").strip().splitlines()
+sweep = last_json("sweep.log")
 print(json.dumps({
-    "bench": "gpu_check", "stages": stages, "cuda_tests": tests[-1] if tests else None,
+    "bench": "gpu_check", "versions": last_json("versions.json"), "stages": stages,
+    "seconds": sum(s["seconds"] for s in stages.values()),
+    "cuda_tests": tests[-1] if tests else None,
     "tokens_per_s": median("tokens_per_s"), "mfu_causal": median("mfu"),
     "mfu_palm": median("mfu_palm"),
     "peak_memory_gib": max((r["memory_gib"] for r in train), default=None),
     "memory_estimate_gib": float(estimate.group(1)) if estimate else None,
+    "saved": f"step_{first_steps:07d}" in text("fsdp2.checkpoints"),
+    "resumed": "resumed from" in text("fsdp2_resumed.log"),
+    "steps": [r["step"] for r in train],
     "final_loss": train[-1]["loss"] if train else None,
-    "steps": train[-1]["step"] if train else None,
-    "fsdp2_steps": [r["step"] for r in fsdp],
-    "fsdp2_resumed": "resumed from" in text("fsdp2_resumed.log"),
-    "fsdp2_final_loss": fsdp[-1]["loss"] if fsdp else None}))
-failed = [name for name, status in stages.items() if status not in (0, "skipped")]
-sys.exit(1 if failed else 0)
+    "sweep": [{k: row[k] for k in ("name", "tokens_per_s", "mfu", "peak_gib", "loss",
+                                   "seconds", "error")} for row in sweep["variants"]]
+    if sweep else None}))
+sys.exit(1 if any(s["status"] != 0 for s in stages.values()) else 0)
 EOF

@@ -3,11 +3,8 @@
     python bench/gpu_sweep.py              # one H100/H200: ~8 minutes (--budget_s=450)
     python bench/gpu_sweep.py --dry-run    # the same code at tiny shapes on the CPU, <1 min
 
-The GPU check and this sweep as ONE prepared device call of at most 9 minutes: the quick
-check (~3 min: CUDA tests, corpus, FSDP2 save and resume) skips its own Stack-100M run,
-which this sweep's `default` row measures, and `;` lets the sweep run even if a check fails:
-
-    bash bench/gpu_check.sh --quick; python bench/gpu_sweep.py --budget_s=300 --steps=15
+bench/gpu_check.sh runs it last in the first lent GPU's one prepared call, with the time
+the stages before it left (docs/figures.md has the call's budget, stage by stage).
 
 Each variant builds its own model and optimizers from the same seed (train.build_model,
 optim.build_optimizers, launch.make_accelerator), reads the same batches of the
@@ -26,8 +23,9 @@ rounding, except causal_only's, whose attention also crosses documents.
 Budget: a Stack-100M step (524,288 tokens) takes ~1 s on an H200 at ~45% MFU; compiling
 takes ~1 minute the first time and less for later variants (inductor's cache). A variant
 that would start with less than --min_variant_s left is skipped, and one that overruns
-the budget is stopped by an alarm, so the sweep (data preparation included) ends within
-about --budget_s.
+its own bound (row_bound: its compile allowance and STEP_S a step) or the budget is
+stopped by an alarm, so the sweep (data preparation included) ends within about
+--budget_s, and one slow row leaves the others their time.
 """
 
 import contextlib
@@ -62,39 +60,50 @@ class Variant:
     ns_dtype: torch.dtype | None = None  # Muon's Newton–Schulz precision; None: its default
     whole_compile: bool = False  # torch.compile(model) instead of per-block compilation
     undo: str | None = None  # one of cpu_speed.LEVERS, undone (the code it replaced)
+    compile_s: float = 45.0  # the row's allowance for compilation, in its bound (row_bound)
 
 
-# In order of interest: when the budget runs short, the last ones are skipped.
+# In the order the docs depend on them: the default, then the rows behind docs/scale.md's
+# memory table (recomputation, the loss head's chunks), then the tuning rows. When the budget
+# runs short, the last ones are skipped. compile_s is each row's allowance for compilation
+# (inductor's cache serves a graph compiled before): its bound is that plus STEP_S a step.
 VARIANTS = [
-    Variant("default", "bf16 autocast, per-block compile, fp32 loss head, micro 32, NS bf16"),
-    Variant("head_bf16", "loss head on bf16 operands, fp32 accumulation and logsumexp",
-            {"loss_head_dtype": "bf16"}),
-    Variant("causal_only", "no document masking (seq_ids dropped): the mask's cost bound",
-            drop_seq_ids=True),
-    Variant("micro16", "micro-batch 16 instead of 32, twice the accumulation, same batch",
-            {"micro_batch_size": 16}),
+    Variant("default", "bf16 autocast, per-block compile, fp32 loss head, micro 32, NS bf16",
+            compile_s=75),
     # Activation recomputation at the same micro-batch: what each mode costs in time (and,
     # in the peak memory column, what it saves) against the default's none.
     Variant("recompute_selective", "selective recomputation (attention and every other "
-            "matmul kept)", {"activation_recompute": "selective"}),
+            "matmul kept)", {"activation_recompute": "selective"}, compile_s=75),
     Variant("recompute_full", "full recomputation (each block keeps its input)",
-            {"activation_recompute": "full"}),
+            {"activation_recompute": "full"}, compile_s=75),
     # A micro-batch (32 × 2,048) feeds 65,536 rows to the loss head; ce_chunk_size is 4,096.
     Variant("chunk1024", "loss head 1,024 rows at a time instead of 4,096: less memory",
             {"model.ce_chunk_size": 1024}),
     Variant("chunk16384", "loss head 16,384 rows at a time instead of 4,096: larger matmuls",
             {"model.ce_chunk_size": 16384}),
+    Variant("head_bf16", "loss head on bf16 operands, fp32 accumulation and logsumexp",
+            {"loss_head_dtype": "bf16"}),
+    Variant("causal_only", "no document masking (seq_ids dropped): the mask's cost bound",
+            drop_seq_ids=True, compile_s=60),
+    Variant("micro16", "micro-batch 16 instead of 32, twice the accumulation, same batch",
+            {"micro_batch_size": 16}, compile_s=60),
     Variant("ns_fp32", "Muon's Newton–Schulz in fp32 instead of bf16",
             ns_dtype=torch.float32),
     Variant("whole_compile", "torch.compile(model) instead of per-block compile",
-            {"compile_model": "false"}, whole_compile=True),
+            {"compile_model": "false"}, whole_compile=True, compile_s=150),
     # The CPU's speed levers that reach Stack-100M's step (its head is the chunked one), each
     # undone: a GPU must be no slower with them (bench/cpu_speed.py has the CPU's figures).
-    Variant("rms_norm_autograd", "RMSNorm by autograd, not its backward written out",
-            undo="rms_norm_backward"),
     Variant("ns_separate", "Newton–Schulz with its multiplies apart from the matmuls",
             undo="ns_matmul_add"),
 ]
+
+# A Stack-100M step's allowance in a row's bound: ~1 s on an H200, ~1.2 s on an H100.
+STEP_S = 2.0
+
+
+def row_bound(variant: Variant, steps: int, warmup: int) -> float:
+    """The seconds a row may run before its alarm stops it: compilation, then its steps."""
+    return variant.compile_s + (steps + warmup) * STEP_S
 
 
 class WithoutDocumentIds:
@@ -197,7 +206,7 @@ def run_variant(variant: Variant, base, steps: int, warmup: int, args, left: flo
     free_memory()
     previous = signal.signal(signal.SIGALRM, alarm)
     try:
-        signal.setitimer(signal.ITIMER_REAL, left)
+        signal.setitimer(signal.ITIMER_REAL, min(left, row_bound(variant, steps, warmup)))
         try:
             with cpu_speed.LEVERS[variant.undo]() if variant.undo else contextlib.nullcontext():
                 return measure(variant, cfg, steps, warmup, args.dry_run, t0)
@@ -212,7 +221,7 @@ def run_variant(variant: Variant, base, steps: int, warmup: int, args, left: flo
 
 
 def alarm(signum, frame):
-    raise BudgetExceeded("the variant ran past --budget_s")
+    raise BudgetExceeded("the variant ran past its bound or --budget_s")
 
 
 def measure(variant: Variant, cfg, steps: int, warmup: int, dry_run: bool, t0: float) -> dict:

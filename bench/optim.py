@@ -14,7 +14,9 @@ per matrix 5 iterations of three matmuls on the short side m = min(A, B), n = ma
 With --ranks N the model is sharded as train.shard_model shards it, on N gloo ranks of this
 machine, and Muon's step is timed the same way while CommDebugMode counts its collectives:
 two per distinct matrix shape (each owner gets its matrices' rows in one all-to-all and
-sends the results back in another), not two per matrix.
+sends the results back in another), not two per matrix. It also counts the bytes each rank
+sends in those all-to-alls in one step, with Newton–Schulz in fp32 (an fp32 run) and in
+bf16 (a bf16 run, whose pieces travel in bf16), side by side.
 """
 
 import argparse
@@ -83,18 +85,36 @@ def single_process(repeats: int) -> dict:
             "newton_schulz_dtype": "float32 (the CPU default)"}
 
 
+def bytes_sent(muon, ns_dtype: torch.dtype) -> int:
+    """The bytes this rank sends in the all-to-alls of one Muon step with Newton–Schulz in
+    ns_dtype (what optim.all_to_all hands dist.all_to_all_single, padding included)."""
+    sent, all_to_all_single = [], dist.all_to_all_single
+
+    def counting(output, input, *args, **kwargs):
+        sent.append(input.numel() * input.element_size())
+        return all_to_all_single(output, input, *args, **kwargs)
+    muon.ns_dtype, dist.all_to_all_single = ns_dtype, counting
+    try:
+        muon.step()
+    finally:
+        dist.all_to_all_single = all_to_all_single
+    return sum(sent)
+
+
 def sharded_worker(repeats: int):
     """One rank of --ranks: the sharded model's Muon step, timed and its collectives counted;
     rank 0 prints the line."""
     dist.init_process_group("gloo")
     cfg = TrainConfig()
-    model = train.shard_model(train.build_model(cfg, compile_model=False),
+    model = train.shard_model(train.build_model(cfg, compile_blocks=False),
                               torch.device("cpu"), bf16=False)
     muon = build_optimizers(model, cfg).named["muon"]
     matrices = with_gradients(model, muon)
     muon_s = fastest_step(muon, repeats)
     with CommDebugMode() as comm:
         muon.step()
+    sent = {str(dtype).removeprefix("torch."): bytes_sent(muon, dtype)
+            for dtype in (torch.float32, torch.bfloat16)}
     if dist.get_rank() == 0:
         print(json.dumps({
             "bench": "optim_sharded", "ranks": dist.get_world_size(),
@@ -102,6 +122,7 @@ def sharded_worker(repeats: int):
             "collectives_per_step": comm.get_total_counts(),
             "collectives": {str(op): n for op, n in comm.get_comm_counts().items()},
             "muon_step_s": round(muon_s, 4),
+            "all_to_all_bytes_per_rank_per_step": sent,
             "newton_schulz_gflop": round(newton_schulz_gflop(matrices), 1)}))
     dist.barrier()
     dist.destroy_process_group()

@@ -1,6 +1,6 @@
 """The run's plumbing: everything a training run needs around the lesson (train.py,
-model.py, data.py, optim.py and config.py at the top of the repository), one concern a
-file, each with a docstring that says what it holds:
+model.py, loss.py, data.py, optim.py and config.py at the top of the repository), one
+concern a file, each with a docstring that says what it holds:
 
     preflight      every refusal before any work, and the banner's facts
     devices        the device a run trains on (--device), for train.py and sample.py
@@ -13,8 +13,6 @@ file, each with a docstring that says what it holds:
     log            the banner, the memory estimate, the log line, MFU, metrics.jsonl, wandb,
                    TensorBoard
     downstream     the multiple-choice tasks scored in the loop, as lm-eval scores them
-    chunked_loss   the loss heads' kernels: cross-entropy + z-loss a chunk of rows at a time
-    rms_norm       RMSNorm with its backward written out
     shards         a prepared folder's manifest, shard checks and their error hints
     overrides      a run's config from a TOML file and --key=value flags, and --help
     cli            the one-line errors every command shares

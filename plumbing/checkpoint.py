@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -190,7 +191,7 @@ def complete_checkpoints(out_dir) -> list[Path]:
 
 def newest(out_dir) -> str:
     """The newest complete checkpoint's path, for messages, or "none"."""
-    return str(find(out_dir, "auto") or "none")
+    return str(find(out_dir, "latest") or "none")
 
 
 def set_aside(path: Path, reason: str) -> Path:
@@ -205,15 +206,16 @@ def set_aside(path: Path, reason: str) -> Path:
     return target
 
 
-# What other trainers call the newest checkpoint: stacklm's word is auto.
-NEWEST_ELSEWHERE = ("latest", "last", "newest")
+# Other words for the newest checkpoint: other trainers', and stacklm's own before it was
+# named latest (auto, which for precision and compile means what this machine does best).
+NEWEST_ELSEWHERE = ("auto", "last", "newest")
 
 
 def find(out_dir, resume: str) -> Path | None:
-    """`resume`: "none", a checkpoint path, or "auto" = the newest complete checkpoint."""
+    """`resume`: "none", a checkpoint path, or "latest" = the newest complete checkpoint."""
     if resume == "none":
         return None
-    if resume == "auto":
+    if resume == "latest":
         done = complete_checkpoints(out_dir)
         return done[-1] if done else None
     check_spelling(resume)
@@ -225,10 +227,10 @@ def find(out_dir, resume: str) -> Path | None:
 
 def check_spelling(resume: str):
     """Refuse a --resume PATH that cannot mean a checkpoint folder, whether or not the run
-    reads it: another trainer's word for the newest, or a checkpoint's train_state.json."""
+    reads it: another word for the newest, or a checkpoint's train_state.json."""
     path = Path(resume)
     if resume in NEWEST_ELSEWHERE and not path.exists():
-        raise ValueError(f"resume={resume}: the newest checkpoint is --resume=auto here (the "
+        raise ValueError(f"resume={resume}: the newest checkpoint is --resume=latest here (the "
                          f"default); or name a checkpoint folder, out_dir/ckpt/step_XXXXXXX")
     if path.name == "train_state.json":
         raise ValueError(f"resume={resume} is the checkpoint's train_state.json; name the folder "
@@ -250,7 +252,7 @@ def write_error(step: int, tmp: Path, error: BaseException, how: str) -> Checkpo
     instead, and the fix. A full disk is named by where it is mounted: the error DCP's
     writer meets names no file."""
     out_dir = tmp.parent.parent
-    found = find(out_dir, "auto")
+    found = find(out_dir, "latest")
     before = f"the newest complete checkpoint is still {found}" if found else \
         "there is no complete checkpoint before it"
     full = getattr(cause(error), "errno", None) in (errno.ENOSPC, errno.EDQUOT)
@@ -300,6 +302,21 @@ class InFlight(NamedTuple):
 SAVE_WAIT_S = 300
 
 
+def stager_for(device: torch.device) -> DefaultStager | None:
+    """How a background save stages its copy on `device`. On a CUDA GPU: DCP's DefaultStager
+    into pinned host memory, by non-blocking device-to-host copies it waits for before
+    `async_save` returns (torchtitan's async_with_pinned_mem, in this process's thread),
+    its pinned buffers kept from one save to the next. Elsewhere None, DCP's own default
+    (plain memory, blocking copies): a CPU has nothing to copy from a device, and DCP
+    refuses non-blocking copies without an accelerator."""
+    if device.type != "cuda":
+        return None
+    # Shared memory is for a writer in another process; staging waits (not async) so that
+    # the next optimizer step cannot change what is written.
+    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=True))
+
+
 class Saver:
     """Writes the run's checkpoints: each out_dir/ckpt/step_XXXXXXX atomically, in one of two
     ways.
@@ -307,7 +324,8 @@ class Saver:
     - Blocking (the default): the loop waits while every byte is written.
     - In the background (ckpt_async, torchtitan's checkpoint.async_mode = "async"): DCP's
       async_save first stages the weights and both optimizers, a copy in memory made before
-      `save` returns, so the next optimizer step cannot change what is written; a thread
+      `save` returns (on a GPU into pinned host memory: `stager_for`), so the next optimizer
+      step cannot change what is written; a thread
       then writes the copy while the loop trains on. It is still written into
       step_XXXXXXX.tmp and renamed (and only then counted, resumed from or pruned) once
       every rank's write is done, which `poll` checks at every step. At most one save is in
@@ -323,6 +341,7 @@ class Saver:
     def __init__(self, accelerator, in_background: bool):
         self.accelerator, self.in_background = accelerator, in_background
         self.in_flight: InFlight | None = None
+        self.stager = stager_for(accelerator.device) if in_background else None
         self.group = dist.new_group(backend="gloo",
                                     timeout=datetime.timedelta(seconds=SAVE_WAIT_S)) \
             if in_background and dist.is_initialized() else None
@@ -331,7 +350,15 @@ class Saver:
         return self
 
     def __exit__(self, exc_type, exc, traceback):
-        if exc_type is None:
+        try:
+            self.leave(exc_type is None)
+        finally:
+            if self.stager is not None:  # its pinned buffers, once no write reads them
+                self.stager.close()
+
+    def leave(self, cleanly: bool):
+        """Wait for the save in flight: complete it, or after an error only let it finish."""
+        if cleanly:
             self.wait()
         elif self.in_flight is not None:
             # After an error the write is let finish (the process group outlives it), but not
@@ -378,7 +405,8 @@ class Saver:
             self.begin(tmp, train_state)
         model_sd, optim_sd = get_state_dict(model, optimizers)
         future = dcp.async_save({"model": model_sd, "optim": optim_sd},
-                                checkpoint_id=str(tmp), process_group=self.group)
+                                checkpoint_id=str(tmp), process_group=self.group,
+                                async_stager=self.stager)
         self.in_flight = InFlight(future, step, tmp, prune, started,
                                   time.perf_counter() - started)
         return done

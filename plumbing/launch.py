@@ -1,7 +1,7 @@
 """How a run meets its launcher and its machine: the Accelerator, with the device
 (devices.device_type), precision and compilation this machine gets (`make_accelerator`,
-`precision`, `use_compile`), and where a launched run cannot work (`check_platform`); the launch
-config's keys (what an accelerate yaml asks of train.py, read from the environment
+`mixed_precision`, `use_compile`), and where a launched run cannot work (`check_platform`);
+the launch config's keys (what an accelerate yaml asks of train.py, read from the environment
 `accelerate launch` gives the workers: `check_launch`, `precision_warnings`, `fsdp_launch`);
 the signals a scheduler sends (`StopFlag`: SIGTERM or Ctrl-C finishes the step, saves,
 exits 0); the outcome file a launch script reads, since a launcher's exit status cannot
@@ -43,7 +43,7 @@ def make_accelerator(cfg) -> Accelerator:
         # fp32 range and accumulation, 10-bit mantissa inputs, as nanoGPT and torchtitan do.
         torch.set_float32_matmul_precision("high")
     world_size = PartialState(cpu=cpu).num_processes
-    return Accelerator(cpu=cpu, mixed_precision=precision(cfg)[0],
+    return Accelerator(cpu=cpu, mixed_precision=mixed_precision(cfg)[0],
                        gradient_accumulation_steps=cfg.grad_accum_steps(world_size))
 
 
@@ -62,7 +62,7 @@ def check_platform(device: str, environ, platform: str = sys.platform):
                          "on one process (`python train.py`), or launch under WSL2")
 
 
-def precision(cfg) -> tuple[str, str]:
+def mixed_precision(cfg) -> tuple[str, str]:
     """accelerate's mixed_precision for this run, and why: the config's, or for `auto` what
     this machine computes fastest: bf16 autocast on a GPU with bf16 tensor cores
     (`gpu_computes_bf16`) and on a CPU that computes bf16 in hardware (`cpu_computes_bf16`),

@@ -86,8 +86,9 @@ def peak_flops(device_name: str) -> float | None:
 # blocks by tests/test_log.py (the storages a forward leaves alive for backward): all of a
 # block's activations ("none"), and what activation_recompute=selective keeps (the outputs
 # of attention and of every other matmul, model.selective_recompute). bf16 autocast keeps
-# the norms' fp32 normalised inputs: not half of fp32. Keys: bf16 yes/no.
-ACTIVATION_BYTES_PER_D = {"none": {True: 55, False: 80}, "selective": {True: 16, False: 28}}
+# each norm's fp32 input and normalised value (autograd's RMSNorm): not half of fp32.
+# Keys: bf16 yes/no.
+ACTIVATION_BYTES_PER_D = {"none": {True: 64, False: 89}, "selective": {True: 16, False: 28}}
 
 
 def memory_estimate(cfg, n_params: int, n_muon: int, world: int, sharded: bool,
@@ -97,8 +98,7 @@ def memory_estimate(cfg, n_params: int, n_muon: int, world: int, sharded: bool,
     AdamW's two moments (8), divided by the rank count under FSDP2; the activations each
     block keeps for backward (all of them; what selective recomputation keeps; or only its
     input, where recomputed in full), and one block's whole activations while it is
-    recomputed, one at a time; one chunk of fp32 logits and their gradient (all the logits
-    when the head is plain, ce_chunk_size 0)."""
+    recomputed, one at a time; and the loss head's peak (`loss_head_bytes`)."""
     m = cfg.model
     shard = world if sharded else 1
     tokens = cfg.micro_batch_size * cfg.seq_len
@@ -113,9 +113,24 @@ def memory_estimate(cfg, n_params: int, n_muon: int, world: int, sharded: bool,
     budget = {"weights+grads": 8 * n_params / shard / gib,
               "optimizer": (4 * n_muon + 8 * (n_params - n_muon)) / shard / gib,
               "activations": activations / gib,
-              "loss_head": 2 * min(m.ce_chunk_size or tokens, tokens) * m.vocab_size * 4 / gib}
+              "loss_head": loss_head_bytes(cfg, bf16) / gib}
     budget["total"] = sum(budget.values())
     return budget
+
+
+def loss_head_bytes(cfg, bf16: bool) -> int:
+    """The loss head's peak, model.py's plain head or loss.py's chunked one, of rows × V
+    numbers each. The plain head (ce_chunk_size 0) holds all B·T rows of logits, in bf16 or
+    fp32 as the forward runs, beside the fp32 log-probabilities its loss keeps for backward;
+    backward then holds the same bytes in gradients. The chunked head holds one chunk's fp32
+    buffer (logits, then softmax, then their gradient), and with loss_head_dtype=bf16 that
+    gradient's bf16 copy too."""
+    m = cfg.model
+    tokens = cfg.micro_batch_size * cfg.seq_len
+    if not m.ce_chunk_size:
+        return tokens * m.vocab_size * ((2 if bf16 else 4) + 4)
+    per_number = 4 + (2 if cfg.loss_head_dtype == "bf16" else 0)
+    return min(m.ce_chunk_size, tokens) * m.vocab_size * per_number
 
 
 def check_memory(cfg, accelerator, sharded: bool, force: bool) -> list[str]:
@@ -185,7 +200,7 @@ class Hardware:
     compiled: bool
     device_name: str = ""  # e.g. "NVIDIA H200", or the CPU's model and core count
     torch: str = torch.__version__
-    precision_why: str = ""  # e.g. "auto: this CPU computes bf16 natively" (launch.precision)
+    precision_why: str = ""  # e.g. "auto: this CPU computes bf16 natively" (launch.mixed_precision)
     compile_why: str = ""  # e.g. "auto: a GPU" (launch.use_compile)
 
 
@@ -193,7 +208,7 @@ def hardware(accelerator, sharded: bool, compiled: tuple[bool, str],
              precision_why: str) -> Hardware:
     """The Hardware an accelerate.Accelerator runs on; FSDP2 where train.py sharded the model
     (accelerate's own distributed type says MULTI_CPU there on a CPU). `compiled` and
-    `precision_why` are launch.use_compile's and launch.precision's choices and reasons."""
+    `precision_why` are launch.use_compile's and launch.mixed_precision's choices and reasons."""
     distributed = "FSDP2" if sharded else accelerator.distributed_type.value
     return Hardware(accelerator.num_processes, str(accelerator.device), distributed,
                     accelerator.mixed_precision, compiled[0], device_name(accelerator.device),

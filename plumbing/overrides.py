@@ -5,9 +5,6 @@ typed from its dataclass field and refused in one line naming the key and what i
 expected; an unknown key suggests the closest name. `--help` lists every knob, in
 config.py's groups, with its default and its one-line description.
 
-`python config.py --world_size=N [flags]` (`fit_micro_batch_cli`) prints the micro-batch a
-launch on N ranks should use; slurm_fsdp2.sh asks it before any node starts.
-
 Imports from stacklm: cli (the one-line errors), config (the dataclasses, the presets, the
 knobs' choices) and hf_import (the shape of a model --init_from names).
 """
@@ -22,7 +19,7 @@ import typing
 
 from config import CHOICES, PRESETS, StackConfig, TrainConfig
 from plumbing import hf_import
-from plumbing.cli import ArgumentParser, user_errors
+from plumbing.cli import ArgumentParser
 
 
 def _parse_value(text: str, kind, key: str):
@@ -237,27 +234,4 @@ def public_model_shape(overrides: dict) -> dict:
                                  f"({name} {shape[name]}): the imported weights fix the "
                                  f"model's shape; drop the flag")
     return {f"model.{name}": value for name, value in shape.items()}
-
-
-def fit_micro_batch_cli(argv=None):
-    """`python config.py --world_size=N [--preset P] [--config RUN.TOML] [--key=value ...]`
-    prints the micro-batch a launch on N ranks should use (TrainConfig.fitting_micro_batch)
-    or refuses in one line. A launch script asks it before starting any node, in a
-    fraction of the time importing train.py (and torch) takes."""
-    parser = ArgumentParser(
-        description="Print the micro-batch a launch on --world_size ranks should use; any "
-                    "other flag is train.py's, as it would be given to it.")
-    parser.add_argument("--world_size", type=int, required=True, help="ranks of the launch")
-    args, rest = parser.parse_known_args(argv)
-    with user_errors("--debug" in rest):
-        cfg, _ = parse_args(rest)
-        micro = cfg.fitting_micro_batch(args.world_size)
-        if micro is None:
-            sequences = cfg.global_batch_tokens // cfg.seq_len
-            raise ValueError(f"{args.world_size} ranks cannot split global_batch_tokens="
-                             f"{cfg.global_batch_tokens:,} ({sequences:,} sequences of "
-                             f"{cfg.seq_len:,}) evenly; use a rank count that divides that, "
-                             f"or set --global_batch_tokens")
-        print(micro)
-
 

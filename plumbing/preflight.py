@@ -29,7 +29,7 @@ class Plan(NamedTuple):
     manifests: dict[str, dict]  # each source's manifest.json
     tasks: list[downstream.Task]  # the multiple-choice tasks scored beside the val loss
     eval_sources: dict[str, float]  # the sources evaluated, and their shares of val_loss
-    compile: bool  # torch.compile each block (launch.use_compile)
+    compile_blocks: bool  # torch.compile each block (launch.use_compile)
     sharded: bool  # FSDP2: the launch config asks for it (launch.fsdp_launch)
     facts: log.RunFacts  # what the banner and metrics.jsonl's start record say of this start
     warnings: list[str]  # printed after the banner
@@ -43,7 +43,7 @@ def check(cfg, accelerator, force: bool) -> Plan:
     if cfg.init_from:  # a public model's files: its shape and weights; later its tokenizer
         hf_import.check_shape(cfg)
         hf_import.check_weights(cfg.init_from, cfg.model)
-    in_use, why = launch.precision(cfg)
+    in_use, why = launch.mixed_precision(cfg)
     warnings = launch.precision_warnings(os.environ, in_use) + hf_import.peak_warnings(cfg)
     # FSDP2 when the launch config asks for it, on any device: train.py shards the model
     # itself, so a CPU run under gloo takes the very path a GPU run does (accelerate would
@@ -67,8 +67,8 @@ def check(cfg, accelerator, force: bool) -> Plan:
     with accelerator.main_process_first():
         val_windows = {d: data.PackedShardLoader(d, "val", cfg.seq_len, 1).windows_per_epoch
                        for d in eval_sources}
-    compile_, compile_why = launch.use_compile(cfg)
-    hardware = log.hardware(accelerator, sharded, (compile_, compile_why), why)
+    compile_blocks, compile_why = launch.use_compile(cfg)
+    hardware = log.hardware(accelerator, sharded, (compile_blocks, compile_why), why)
     facts = log.RunFacts(hardware, log.code_revision(), data_plan, eval_sources, val_windows,
                          downstream.describe(tasks))
-    return Plan(stages, manifests, tasks, eval_sources, compile_, sharded, facts, warnings)
+    return Plan(stages, manifests, tasks, eval_sources, compile_blocks, sharded, facts, warnings)

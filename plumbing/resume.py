@@ -26,12 +26,12 @@ from plumbing.cli import NothingToDo
 
 def candidates(cfg: TrainConfig) -> list[Path]:
     """The checkpoints this run may continue, in the order to try them, by cfg.resume:
-    - "auto": every complete checkpoint in out_dir, newest first (`resume` falls back to
+    - "latest": every complete checkpoint in out_dir, newest first (`resume` falls back to
       older ones if one is damaged);
     - a path in out_dir's own ckpt folder: that checkpoint, as named (how to go back to one);
     - a path elsewhere: where a branched run (an anneal from the stable run's checkpoint)
       begins, while out_dir holds no checkpoint of its own; once it does, its own, as for
-      "auto", so that the same command continues the branch rather than begin it again
+      "latest", so that the same command continues the branch rather than begin it again
       (torchtitan's checkpoint.initial_load_path);
     - "none": a fresh start, refused where it would overwrite checkpoints.
     Checked before anything is built: out_dir and its ckpt/ must be folders (or absent), and
@@ -48,10 +48,10 @@ def candidates(cfg: TrainConfig) -> list[Path]:
     if setting == "none" and own:
         raise ValueError(f"resume=none: out_dir={out_dir} already holds checkpoints (newest "
                          f"{own[0]}) that a fresh run would overwrite; continue them with "
-                         f"--resume=auto, or start afresh in a new --out_dir")
+                         f"--resume=latest, or start afresh in a new --out_dir")
     if setting == "none":
         return []
-    if setting == "auto":
+    if setting == "latest":
         found = own
     else:
         checkpoint.check_spelling(setting)
@@ -74,7 +74,7 @@ def check_unfinished(found: list[Path], stop_at_step: int, setting: str):
     except DamagedCheckpointError:
         return  # `resume` sets it aside and continues an older one
     if step is not None and step >= stop_at_step:
-        fix = "a later --stop_at_step to continue it" if setting != "auto" else \
+        fix = "a later --stop_at_step to continue it" if setting != "latest" else \
             "a new --out_dir to train afresh, or a later --stop_at_step to continue it"
         raise NothingToDo(f"nothing to train: {found[0]} is at step {step:,}, and this "
                           f"run stops at stop_at_step={stop_at_step:,}; pass {fix}")
@@ -99,9 +99,9 @@ def resume(run, found: list[Path]) -> str | None:
         unsafe, damaged = shared_verdicts(accelerator, error)
         if unsafe:
             raise UnsafeCheckpointError(unsafe)
-        named = setting != "auto" and Path(path).resolve() == Path(setting).resolve()
+        named = setting != "latest" and Path(path).resolve() == Path(setting).resolve()
         if not damaged:
-            origin = f"--resume={setting}" if setting != "auto" else \
+            origin = f"--resume={setting}" if setting != "latest" else \
                 f"--init_from={run.cfg.init_from}" if run.cfg.init_from else None
             began = "" if origin is None or named else \
                 f" (its own; {origin} is where this run began: to begin there again, use a " \
@@ -110,7 +110,7 @@ def resume(run, found: list[Path]) -> str | None:
             return str(Path(path).resolve())
         if named:
             raise ValueError(f"resume={setting} cannot be read: {damaged}; restore the file, "
-                             f"or name another checkpoint (--resume=auto sets this one aside "
+                             f"or name another checkpoint (--resume=latest sets this one aside "
                              f"as .damaged and continues the newest that reads)")
         accelerator.wait_for_everyone()  # every rank is done reading it
         if accelerator.is_main_process:

@@ -95,7 +95,7 @@ def halve_gradients(accelerator):
 def make_run(cfg, data_dir: str) -> train.Run:
     world = int(os.environ["WORLD_SIZE"])
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=cfg.grad_accum_steps(world))
-    model = train.build_model(cfg, compile_model=False)
+    model = train.build_model(cfg, compile_blocks=False)
     model = train.shard_model(model, accelerator.device, bf16=False,
                               reshard_after_forward=launch.reshard_after_forward(os.environ))
     optimizers = optim.build_optimizers(model, cfg)

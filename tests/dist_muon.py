@@ -15,7 +15,11 @@ error after 5 steps of
   resumed_without_momentum: the negative control for `resumed`: the same, loading only the
                     model, so that Muon restarts from zero momentum;
 and the collectives one sharded Muon step makes (`collectives`: CommDebugMode counts every
-one), with the model's matrices and their distinct shapes.
+one), with the model's matrices and their distinct shapes; and, with Newton–Schulz in bf16,
+what the all-to-alls carry: the dtypes of the pieces (`traffic_dtypes`), the bytes this
+rank sends in a step (`traffic_bytes`), how far the weights end from those of the same run
+sending fp32 pieces (`bf16_against_fp32_traffic`, which must be 0.0: bitwise), and from
+single-process Muon in bf16 (`bf16_muon`).
 """
 
 import gc
@@ -30,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
 
-from optim import Muon
+from optim import Muon, orthogonalize_on_owners
 
 STEPS = 5
 SAVE_AFTER = 3
@@ -41,6 +45,16 @@ class LocalShardMuon(Muon):
 
     def _orthogonalize_row_sharded(self, params, updates, group):
         return [self._orthogonalize(rows, group) for rows in updates]
+
+
+class Float32TrafficMuon(Muon):
+    """The pieces sent in fp32 whatever Newton–Schulz runs in (which casts them on arrival
+    then): the bytes sent before, and the result the bf16 traffic must equal bit for bit."""
+
+    def _orthogonalize_row_sharded(self, params, updates, group):
+        return orthogonalize_on_owners(params, updates,
+                                       lambda wholes: self._orthogonalize_bucket(wholes, group),
+                                       torch.float32)
 
 
 class Block(torch.nn.Module):
@@ -78,8 +92,8 @@ def train(model, optimizer, steps):
         optimizer.zero_grad()
 
 
-def make_muon(model, cls=Muon):
-    return cls(model.parameters(), lr=0.05, weight_decay=0.1)
+def make_muon(model, cls=Muon, ns_dtype=None):
+    return cls(model.parameters(), lr=0.05, weight_decay=0.1, ns_dtype=ns_dtype)
 
 
 def max_relative_error(sharded, reference) -> float:
@@ -101,6 +115,39 @@ def collectives_per_step() -> dict:
     return {"collectives": comm.get_total_counts(),
             "matrices": len(list(model.parameters())),
             "shapes": len({p.shape for p in model.parameters()})}
+
+
+def traffic(cls) -> tuple[torch.nn.Module, set, int]:
+    """A sharded model trained by `cls` with Newton–Schulz in bf16, the dtypes its
+    all-to-alls carried, and the bytes this rank sent in its last step."""
+    sent, all_to_all_single = [], dist.all_to_all_single
+
+    def recording(output, input, *args, **kwargs):
+        sent.append((input.dtype, input.numel() * input.element_size()))
+        return all_to_all_single(output, input, *args, **kwargs)
+    model = shard(make_model())
+    muon = make_muon(model, cls, ns_dtype=torch.bfloat16)
+    dist.all_to_all_single = recording  # what optim.all_to_all calls
+    try:
+        train(model, muon, range(STEPS))
+    finally:
+        dist.all_to_all_single = all_to_all_single
+    per_step = len(sent) // STEPS
+    return model, {dtype for dtype, _ in sent}, sum(n for _, n in sent[-per_step:])
+
+
+def bf16_traffic() -> dict:
+    bf16, dtypes, sent = traffic(Muon)
+    fp32, fp32_dtypes, fp32_sent = traffic(Float32TrafficMuon)
+    difference = max((p.full_tensor() - q.full_tensor()).abs().max().item()
+                     for p, q in zip(bf16.parameters(), fp32.parameters(), strict=True))
+    reference = make_model()
+    train(reference, make_muon(reference, ns_dtype=torch.bfloat16), range(STEPS))
+    return {"bf16_muon": max_relative_error(bf16, reference),
+            "traffic_dtypes": sorted(str(d) for d in dtypes),
+            "fp32_traffic_dtypes": sorted(str(d) for d in fp32_dtypes),
+            "traffic_bytes": sent, "fp32_traffic_bytes": fp32_sent,
+            "bf16_against_fp32_traffic": difference}
 
 
 def checkpoint_state(model, muon):
@@ -148,6 +195,7 @@ def compare(action, ckpt_dir) -> dict:
     train(control, make_muon(control, LocalShardMuon), range(STEPS))
     result["local_shard_muon"] = max_relative_error(control, reference)
     result.update(collectives_per_step())
+    result.update(bf16_traffic())
     if action == "resume":
         result["resumed"] = max_relative_error(resume(ckpt_dir), reference)
         result["resumed_without_momentum"] = max_relative_error(

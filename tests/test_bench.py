@@ -1,5 +1,6 @@
-"""The GPU benchmarks' code paths, run where CI can run them: bench/gpu_sweep.py at tiny
-shapes on the CPU, and bench/gpu_check.sh's command lines against the current CLI."""
+"""The GPU benchmarks' code paths, run where CI can run them: the GPU call
+(bench/gpu_check.sh, bench/gpu_sweep.py) as a dry run at micro shapes on the CPU, and its
+command lines against the current CLI."""
 
 import json
 import math
@@ -25,28 +26,67 @@ import downstream_cost  # noqa: E402
 import gpu_sweep  # noqa: E402
 
 
-def test_gpu_sweep_dry_run_reports_every_variant():
-    """`--dry-run` runs every variant through the same code as on the GPU and ends with one
-    JSON line: each variant has finite, positive figures. On a GPU a variant may say why it
-    has none (out of memory, say); on this CPU dry run an error is a bug (one such hid a
-    changed train.Run for a while)."""
-    result = subprocess.run([sys.executable, "bench/gpu_sweep.py", "--dry-run"], cwd=REPO,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    rows = {row["name"]: row for row in report["variants"]}
-    assert list(rows) == [v.name for v in gpu_sweep.VARIANTS]
-    assert {"default", "head_bf16", "micro16", "chunk1024", "chunk16384", "causal_only",
-            "ns_fp32", "whole_compile", "rms_norm_autograd", "ns_separate",
-            "recompute_selective", "recompute_full"} <= set(rows)
+def gpu_call_bounds() -> dict[str, int]:
+    """bench/gpu_check.sh's bound on each stage of the GPU call, in seconds, and the call's."""
+    script = (REPO / "bench" / "gpu_check.sh").read_text()
+    gpu = script[script.index("  preset=stack100m"):]
+    bounds = [int(b) for b in re.search(r"bounds=\(([\d ]+)\)", gpu)[1].split()]
+    names = ("versions", "prepare", "cuda_tests", "fsdp2_first", "fsdp2_resumed")
+    return {**dict(zip(names, bounds, strict=True)),
+            "call": int(re.search(r"call_s=(\d+)", script)[1])}
+
+
+def test_the_gpu_call_dry_run_runs_every_stage_and_every_sweep_row(tmp_path):
+    """`bash bench/gpu_check.sh --dry_run`: the GPU call's every stage on this CPU at micro
+    shapes, each within its bound, ending with one JSON line: the versions first, the CUDA
+    tests (skipped here), the FSDP2 production path's figures, its checkpoint and its
+    resume (steps 1-2, then 3), and a row for every sweep variant in the docs' order, each
+    with finite, positive figures (on the GPU a row may say why it has none, out of memory
+    say; on this dry run an error is a bug: one such hid a changed train.Run for a while)."""
+    done = subprocess.run(["bash", "bench/gpu_check.sh", "--dry_run"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1",
+                               "OUT": str(tmp_path / "out"), "RUNS": str(tmp_path / "runs")})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert list(report["stages"]) == ["versions", "prepare", "cuda_tests", "fsdp2_first",
+                                      "fsdp2_resumed", "sweep"]
+    assert all(s["status"] == 0 for s in report["stages"].values()), report["stages"]
+    assert report["versions"]["torch"] == torch.__version__
+    assert "skipped" in report["cuda_tests"] or "passed" in report["cuda_tests"]
+    assert report["saved"] and report["resumed"] and report["steps"] == [1, 2, 3]
+    assert report["tokens_per_s"] > 0 and report["peak_memory_gib"] > 0
+    assert report["memory_estimate_gib"] is not None
+    assert [row["name"] for row in report["sweep"]] == [v.name for v in gpu_sweep.VARIANTS]
+    full = json.loads((tmp_path / "out" / "sweep.log").read_text().strip().splitlines()[-1])
+    rows = {row["name"]: row for row in full["variants"]}
     for name, row in rows.items():
         assert row["error"] is None, (name, row["error"])
         for key in ("tokens_per_s", "peak_gib", "loss"):
             assert math.isfinite(row[key]) and row[key] > 0, (name, key, row[key])
         for key in ("mfu", "mfu_palm"):  # no known peak FLOP/s for a CPU: null, not made up
-            assert row[key] is None if report["device"] == "cpu" else math.isfinite(row[key])
+            assert row[key] is None if full["device"] == "cpu" else math.isfinite(row[key])
     assert rows["micro16"]["micro_batch_size"] * 2 == rows["default"]["micro_batch_size"]
     assert [rows[name]["ce_chunk_size"] for name in ("chunk1024", "chunk16384")] == [1024, 16384]
+
+
+def test_the_gpu_call_fits_its_budget_and_the_docs_give_each_bound():
+    """The stages' bounds leave the sweep time within the call (under the device tool's 9
+    minutes), the sweep's rows come in the order the docs depend on them, and
+    docs/figures.md's plan gives each stage's bound as the script has it."""
+    bounds = gpu_call_bounds()
+    stages = sum(v for k, v in bounds.items() if k != "call")
+    assert bounds["call"] <= 540 and bounds["call"] - stages >= 90, bounds
+    names = [v.name for v in gpu_sweep.VARIANTS]
+    assert names[:5] == ["default", "recompute_selective", "recompute_full", "chunk1024",
+                         "chunk16384"], names
+    docs = (REPO / "docs" / "figures.md").read_text()
+    for stage, seconds in bounds.items():
+        if stage != "call":
+            assert re.search(rf"\| `{stage}` \| {seconds} s \|", docs), stage
+    for variant in gpu_sweep.VARIANTS:
+        bound = gpu_sweep.row_bound(variant, steps=5, warmup=1)
+        assert re.search(rf"\| `{variant.name}` \| {bound:.0f} s \|", docs), variant.name
 
 
 def test_a_failing_variant_becomes_a_row_with_its_error(monkeypatch):
@@ -70,24 +110,20 @@ def test_gpu_check_uses_existing_knobs_and_scripts():
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0  # syntax
     script = "\n".join(line for line in path.read_text().splitlines()
                        if not line.lstrip().startswith("#"))  # commands, not comments
-    keys = set(re.findall(r"--([a-z_.]+)=", script)) - {"preset"}
-    assert {"out_dir", "stop_at_step", "compile_model"} <= keys
-    knobs = {key: "1" for key in keys if key not in ("out_dir", "resume", "compile_model")}
-    overrides.apply_overrides(config.stack100m(), {**knobs, "out_dir": "x", "resume": "none",
-                                                   "compile_model": "false"})
+    sweep_flags = {"preset", "budget_s", "steps", "warmup", "min_variant_s"}
+    knobs = {key: "1" if "$" in value else value  # a shell variable's value: a step count
+             for key, value in re.findall(r"--([a-z_.]+)=([^\s)]+)", script)
+             if key not in sweep_flags}
+    assert {"out_dir", "stop_at_step", "compile_model", "mixed_precision"} <= set(knobs)
+    overrides.apply_overrides(config.tiny(), {**knobs, "out_dir": "x"})
     for path in re.findall(r"python ([\w/]+\.py)", script):
         assert (REPO / path).exists(), path
-    # gpu_sweep.py's one-call recipe: gpu_check.sh takes --quick, gpu_sweep.py its flags.
-    recipe = next(line for line in gpu_sweep.__doc__.splitlines() if "--quick" in line)
-    assert '"--quick"' in script and "bench/gpu_check.sh --quick;" in recipe
-    gpu_sweep.parse_args(recipe.split("gpu_sweep.py")[1].split())
+    gpu_sweep.parse_args(["--steps=5", "--warmup=1", "--min_variant_s=20", "--budget_s=300"])
 
 
-def test_gpu_check_runs_every_stage_whatever_one_does_and_reports_each(tmp_path):
-    """On the one call a lent GPU gives, a failing stage must not stop the rest: here every
-    command fails (stand-ins for python and accelerate that exit 1, but for the report's
-    `python -`), and each stage still runs, and the JSON line says how each ended, with no
-    figures where none were made; the script then exits 1."""
+def stand_ins(tmp_path) -> Path:
+    """python and accelerate that say what they were asked and exit 1, but for `python -`
+    (the versions check and the report), which runs the real python."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python").write_text(f'#!/bin/bash\n[[ $1 == - ]] && exec {sys.executable} "$@"'
@@ -95,19 +131,47 @@ def test_gpu_check_runs_every_stage_whatever_one_does_and_reports_each(tmp_path)
     (bin_dir / "accelerate").write_text('#!/bin/bash\necho "stand-in: accelerate $*"; exit 1\n')
     for stand_in in bin_dir.iterdir():
         stand_in.chmod(0o755)
-    done = subprocess.run(["bash", "bench/gpu_check.sh", str(tmp_path / "out")], cwd=REPO,
+    return bin_dir
+
+
+def test_gpu_check_runs_every_stage_whatever_one_does_and_reports_each(tmp_path):
+    """On the one call a lent GPU gives, a failing stage must not stop the rest: here every
+    command after the versions fails, and each stage still runs, and the JSON line says how
+    each ended, with no figures where none were made; the script then exits 1."""
+    bin_dir = stand_ins(tmp_path)
+    done = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=REPO,
                           capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+                               "OUT": str(tmp_path / "out"), "RUNS": str(tmp_path / "runs")})
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     ran = re.findall(r"^stand-in: (\w+ \S+)", done.stdout, flags=re.M)
-    assert ran == ["python -m", "python train.py", "accelerate launch", "accelerate launch"] or \
-        ran == ["python -m", "python prepare.py", "python train.py", "accelerate launch",
-                "accelerate launch"], ran
+    assert ran == ["python -c", "python -m", "accelerate launch", "accelerate launch",
+                   "python bench/gpu_sweep.py"], ran
     report = json.loads(done.stdout.strip().splitlines()[-1])
     stages = report.pop("stages")
-    assert {stages[name] for name in ("cuda_tests", "stack100m", "fsdp2_first",
-                                      "fsdp2_resumed")} == {1}, stages
-    assert report["tokens_per_s"] is None and report["fsdp2_steps"] == []
+    assert stages["versions"]["status"] == 0
+    assert {stages[name]["status"] for name in stages if name != "versions"} == {1}, stages
+    assert report["tokens_per_s"] is None and report["steps"] == [] and report["sweep"] is None
+    assert not report["saved"] and not report["resumed"]
+
+
+def test_a_missing_import_stops_the_gpu_call_in_one_line(tmp_path):
+    """The versions stage imports all the call needs first: one that fails is one line that
+    names it, and nothing after it runs (exit 2)."""
+    bin_dir = stand_ins(tmp_path)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizers.py").write_text("raise ImportError('no tokenizers here')\n")
+    done = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+                               "PYTHONPATH": str(broken), "OUT": str(tmp_path / "out"),
+                               "RUNS": str(tmp_path / "runs")})
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "stand-in" not in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == (
+        "versions: cannot import tokenizers (ImportError: no tokenizers here); install it (pip "
+        "install -r requirements.txt) and run the call again")
 
 
 def test_ce_memory_reports_the_grid_and_chunked_never_holds_the_full_logits():
@@ -288,15 +352,21 @@ def test_each_levers_undoing_computes_what_the_lever_computes():
     """cpu_speed.py's levers are undone with the code they replaced: each must compute what
     the lever computes (else a lever's "gain" would compare two different things)."""
     torch.manual_seed(0)
-    x, w = torch.randn(3, 7, 16), 1 + torch.rand(16)
-    torch.testing.assert_close(cpu_speed.plain_rms_norm(x, w, 1e-6), model.rms_norm(x, w, 1e-6))
-    torch.testing.assert_close(cpu_speed.torch_rms_norm(x, w, 1e-6), model.rms_norm(x, w, 1e-6))
+    norm, x = model.RMSNorm(16, 1e-6), torch.randn(3, 7, 16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    torch.testing.assert_close(cpu_speed.torch_rms_norm(norm, x), norm(x))
     G = torch.randn(2, 24, 40)
     torch.testing.assert_close(cpu_speed.separate_multiplies(G), optim.newton_schulz(G),
                                rtol=1e-5, atol=1e-5)
-    logits, targets = torch.randn(20, 11), torch.randint(0, 11, (20,))
-    torch.testing.assert_close(cpu_speed.plain_loss(logits, targets, 1e-2, "sum"),
-                               model.logits_ce_z_loss(logits, targets, 1e-2, reduction="sum"))
+    torch.manual_seed(0)
+    tiny = model.Transformer(config.tiny_model())
+    hidden, targets = torch.randn(600, 256), torch.randint(0, 4096, (600,))
+    targets[:7] = -100
+    head = tiny.plain_head(hidden, targets, "mean")
+    for undone in (cpu_speed.whole_logits, cpu_speed.fp32_head):
+        for got, want in zip(undone(tiny, hidden, targets, "mean"), head, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 # One bad value for each benchmark, and cpu_speed's that ended in a traceback or, with

@@ -81,7 +81,7 @@ def test_a_save_that_fails_partway_leaves_no_complete_checkpoint(tmp_path, monke
     monkeypatch.setattr(checkpoint, "rng_state", crash)  # called after the DCP write
     with pytest.raises(OSError, match="disk full"):
         save(model, optimizers, tmp_path, step=2)
-    assert checkpoint.find(tmp_path, "auto") == tmp_path / "ckpt" / "step_0000001"
+    assert checkpoint.find(tmp_path, "latest") == tmp_path / "ckpt" / "step_0000001"
     assert not (tmp_path / "ckpt" / "step_0000002").exists()
     assert (tmp_path / "ckpt" / "step_0000002.tmp").exists()
 
@@ -93,7 +93,7 @@ def test_non_finite_weights_are_never_written(tmp_path):
         next(model.parameters())[0, 0] = float("nan")
     with pytest.raises(RuntimeError, match="non-finite values; refusing"):
         save(model, optimizers, tmp_path, step=2)
-    assert checkpoint.find(tmp_path, "auto") == tmp_path / "ckpt" / "step_0000001"
+    assert checkpoint.find(tmp_path, "latest") == tmp_path / "ckpt" / "step_0000001"
 
 
 def test_find_ignores_partial_checkpoints_and_save_prunes(tmp_path):
@@ -104,7 +104,7 @@ def test_find_ignores_partial_checkpoints_and_save_prunes(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["step_0000004", "step_0000006"]
     (root / "step_0000008.tmp").mkdir()  # what a crash mid-save leaves behind
     (root / "step_0000010").mkdir()  # a folder without train_state.json is not complete
-    assert checkpoint.find(tmp_path, "auto") == root / "step_0000006"
+    assert checkpoint.find(tmp_path, "latest") == root / "step_0000006"
     assert checkpoint.find(tmp_path, "none") is None
     with pytest.raises(FileNotFoundError, match="train_state.json"):
         checkpoint.find(tmp_path, str(root / "step_0000010"))
@@ -226,6 +226,91 @@ def test_the_staged_copy_is_taken_before_the_next_step_changes_the_weights(tmp_p
     assert checkpoint.complete_checkpoints(tmp_path) == []  # still being written
     [(step, waited, took)] = saver.wait()
     assert step == 1 and waited < 0.5 <= took
+    written = every_tensor(checkpoint.step_path(tmp_path, 1))
+    for name, value in before.items():
+        assert torch.equal(written[f".model.{name}"], value), name
+
+
+class RecordedStager:
+    """Stands in for DCP's DefaultStager: keeps the options it was built with, and whether
+    it was closed."""
+
+    def __init__(self, options):
+        self.options, self.closed = options, False
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_gpu_stages_into_pinned_memory_and_a_cpu_as_dcp_does(monkeypatch):
+    """On a CUDA device the stager is DCP's DefaultStager into pinned memory, by
+    non-blocking copies that it waits for (not staged in a thread of its own: the next step
+    must not change the copy), and in this process's memory (no shared memory). On a CPU
+    it is None: async_save then builds its own, StagingOptions(False, False, False, False).
+    DCP's own DefaultStager refuses the GPU's options on this CPU: they are for a GPU only."""
+    monkeypatch.setattr(checkpoint, "DefaultStager", RecordedStager)
+    options = checkpoint.stager_for(torch.device("cuda", 0)).options
+    assert options == checkpoint.StagingOptions(use_pinned_memory=True,
+                                                use_shared_memory=False,
+                                                use_async_staging=False,
+                                                use_non_blocking_copy=True)
+    assert checkpoint.stager_for(torch.device("cpu")) is None
+    if not torch.cuda.is_available():
+        monkeypatch.undo()
+        with pytest.raises(AssertionError, match="Non-blocking copy requires"):
+            checkpoint.DefaultStager(options)
+
+
+def test_the_saver_hands_its_stager_to_dcp_and_closes_it_at_the_end(tmp_path, monkeypatch):
+    """A background Saver passes its stager to dcp.async_save (None on this CPU, so DCP's
+    default) and closes it when the run leaves it; a blocking Saver makes none."""
+    passed, async_save = [], checkpoint.dcp.async_save
+
+    def recording(*args, **kwargs):  # then saves as on this CPU
+        passed.append(kwargs["async_stager"])
+        return async_save(*args, **{**kwargs, "async_stager": None})
+    monkeypatch.setattr(checkpoint.dcp, "async_save", recording)
+    model, optimizers = small_run()
+    with checkpoint.Saver(Accelerator(cpu=True), in_background=True) as saver:
+        saver.save(model, optimizers, {"step": 1, "tokens_seen": 0}, tmp_path, keep_last=5,
+                   blocking=False)
+    assert passed == [None]
+    monkeypatch.setattr(checkpoint, "stager_for", lambda device: RecordedStager("as on a GPU"))
+    with checkpoint.Saver(Accelerator(cpu=True), in_background=False) as saver:
+        assert saver.stager is None
+    with checkpoint.Saver(Accelerator(cpu=True), in_background=True) as saver:
+        stager = saver.stager
+        saver.save(model, optimizers, {"step": 2, "tokens_seen": 0}, tmp_path, keep_last=5,
+                   blocking=False)
+        assert passed[-1] is stager and not stager.closed
+        saver.wait()
+    assert stager.closed
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+def test_a_background_save_on_a_gpu_is_staged_into_pinned_memory(tmp_path, monkeypatch):
+    """On a GPU the staged copy is pinned (each storage of it registered with CUDA) and
+    taken before save returns: weights changed afterwards do not reach the file."""
+    import torch.cuda._pin_memory_utils as pinning  # what DCP's stager pins with
+    pinned, pin = [], pinning.pin_memory
+    monkeypatch.setattr(pinning, "pin_memory", lambda ptr, size: pinned.append(size) or
+                        pin(ptr, size))
+    model, optimizers = small_run()
+    model.cuda()
+    for optimizer in optimizers:  # the step's state, moved with its parameters
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                state[key] = value.cuda()
+    before = {k: v.cpu().clone() for k, v in model.state_dict().items()}
+    with checkpoint.Saver(Accelerator(), in_background=True) as saver:
+        saver.save(model, optimizers, {"step": 1, "tokens_seen": 0}, tmp_path, keep_last=5,
+                   blocking=False)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    weights = sum(v.numel() * v.element_size() for v in before.values())
+    assert sum(pinned) >= weights, (sum(pinned), weights)
     written = every_tensor(checkpoint.step_path(tmp_path, 1))
     for name, value in before.items():
         assert torch.equal(written[f".model.{name}"], value), name

@@ -13,8 +13,8 @@ def test_stack100m_preset_is_the_reference_run():
     cfg = config.stack100m()
     m = cfg.model
     assert (m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.intermediate,
-            m.max_seq_len, m.rope_theta, m.qk_norm, m.nope_every, m.tie_embeddings,
-            m.z_loss) == (32768, 512, 30, 8, 2, 1408, 2048, 10000.0, True, 4, True, 1e-4)
+            m.max_seq_len, m.rope_theta, m.qk_norm, m.nope_every,
+            m.z_loss) == (32768, 512, 30, 8, 2, 1408, 2048, 10000.0, True, 4, 1e-4)
     assert (cfg.seq_len, cfg.micro_batch_size, cfg.global_batch_tokens) == (2048, 32, 524_288)
     assert (cfg.warmup_steps, cfg.stop_at_step, cfg.adamw_peak_lr, cfg.muon_peak_lr) == \
         (2_000, 34_332, 3e-3, 6e-3)
@@ -114,11 +114,40 @@ def test_toml_then_cli_precedence(tmp_path):
     (dict(d_model=500), "model.d_model=500 is not divisible by model.n_heads=8"),
     (dict(n_kv_heads=3), "model.n_kv_heads=3 does not divide model.n_heads=8"),
     (dict(vocab_size=0), "model.vocab_size=0 must be positive"),
-    (dict(tie_embeddings=False), "tie_embeddings=False is not supported"),
 ])
 def test_model_errors_name_the_field(change, message):
     with pytest.raises(ValueError, match=message):
         StackConfig(**change)
+
+
+def test_a_record_older_than_the_knobs_removal_still_reads():
+    """A checkpoint's or an export's model config from before tie_embeddings was removed (a
+    knob that only true passed) reads as the same shape; any other unknown knob is refused."""
+    saved = dataclasses.asdict(config.tiny_model()) | {"tie_embeddings": True}
+    assert StackConfig.from_saved(saved) == config.tiny_model()
+    old_run = dataclasses.asdict(config.tiny()) | {"model": saved}
+    assert TrainConfig(**old_run) == config.tiny()
+    with pytest.raises(TypeError, match="tied_embedding"):
+        StackConfig.from_saved(saved | {"tied_embedding": True})
+
+
+# `python config.py --world_size=N` reads the batch's knobs itself (without torch); it must
+# read them as train.py's full parser does, the oracle here.
+@pytest.mark.parametrize("flags", [
+    [], ["--preset=tiny"], ["--preset", "tiny", "--sample_prompt", "def main(x):"],
+    ["--micro_batch_size=8", "--seed=3"], ["--seq_len", "1024", "--micro_batch_size", "16"],
+    ["--global_batch_tokens=1_048_576"], ["--config", "{toml}", "--micro_batch_size=4"],
+    ["--config={toml}"]])
+@pytest.mark.parametrize("world_size", [1, 2, 8, 16])
+def test_config_py_answers_the_micro_batch_train_py_would_use(flags, world_size, tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text("seed = 5\nmicro_batch_size = 16\nseq_len = 512\n[model]\nn_layers = 2\n")
+    flags = [flag.format(toml=toml) for flag in flags]
+    full, _ = parse_args(flags)
+    assert config.fit_micro_batch([f"--world_size={world_size}", *flags]) == \
+        full.fitting_micro_batch(world_size)
+    with pytest.raises(ValueError, match="is not divisible by"):
+        config.fit_micro_batch(["--world_size=3", *flags])
 
 
 @pytest.mark.parametrize("change, message", [

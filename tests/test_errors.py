@@ -121,14 +121,29 @@ def test_a_bad_toml_value_is_one_clear_line(toml, message, small_data_dir, tmp_p
     ("prepare", ["--force"], "unrecognized arguments: --force"),
     ("report", [], "the following arguments are required: OUT_DIR"),
     ("sample", ["--prompt=x"], "the following arguments are required: --export"),
-    ("config", [], "the following arguments are required: --world_size"),
 ])
 def test_argparse_refusals_are_one_line_too(command, argv, message, capsys):
     """What argparse itself refuses, in every command, is the commands' one line and exit
     status 2, not its usage and a second line."""
     main = {"train": train.cli, "prepare": prepare.main, "report": report.cli,
-            "sample": sample.main, "config": overrides.fit_micro_batch_cli}[command]
+            "sample": sample.main}[command]
     assert message in run_cli(argv, capsys, main)
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "error: --world_size=N is required: the ranks of the launch"),
+    (["--world_size=8", "--preset=tinyy"], "error: argument --preset: invalid choice: 'tinyy'"),
+    (["--world_size=eight"], "error: argument --world_size: invalid int value: 'eight'"),
+    (["--world_size=8", "--config=/nonexistent/run.toml"], "/nonexistent/run.toml"),
+    (["--world_size=3"], "error: global_batch_tokens=524,288 is not divisible by"),
+])
+def test_config_py_refuses_in_one_line(argv, message):
+    """`python config.py --world_size=N`, the command a launch script asks first, keeps the
+    commands' contract without plumbing/cli.py: one `error:` line, exit status 2."""
+    out = subprocess.run([sys.executable, "config.py", *argv], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert message in out.stderr and out.stderr.count("\n") == 1, out.stderr
 
 
 def test_debug_shows_the_traceback_and_other_ranks_stay_quiet(monkeypatch, capsys):

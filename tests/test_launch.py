@@ -56,11 +56,11 @@ def test_auto_precision_is_what_this_machine_computes_fastest(monkeypatch, gpu, 
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu[0])
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: gpu[1])
     monkeypatch.setattr(launch, "cpu_computes_bf16", lambda: native)
-    precision, why = launch.precision(config.tiny())
+    precision, why = launch.mixed_precision(config.tiny())
     assert (precision, why[:len(want[1])]) == want
     for explicit in ("no", "bf16"):  # an explicit knob wins, whatever the machine
         chosen = overrides.apply_overrides(config.tiny(), {"mixed_precision": explicit})
-        assert launch.precision(chosen) == (explicit, "the config's mixed_precision")
+        assert launch.mixed_precision(chosen) == (explicit, "the config's mixed_precision")
 
 
 @pytest.mark.parametrize("cuda", [False, True])
@@ -83,7 +83,7 @@ def test_the_banner_says_what_auto_chose_and_why(monkeypatch):
     """The hardware line names the precision and compilation in use, each with its reason."""
     monkeypatch.setattr(launch, "cpu_computes_bf16", lambda: True)
     cfg = config.tiny()
-    precision, why = launch.precision(cfg)
+    precision, why = launch.mixed_precision(cfg)
     accelerator = types.SimpleNamespace(num_processes=1, device=torch.device("cpu"),
                                         distributed_type=types.SimpleNamespace(value="NO"),
                                         mixed_precision=precision)

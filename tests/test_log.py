@@ -78,7 +78,7 @@ def test_memory_estimate_counts_optimizer_state_and_recomputed_blocks():
     full = log.memory_estimate(overrides.apply_overrides(cfg, {"activation_recompute": "full"}),
                                   n, n_muon, world=1, sharded=False, bf16=True)
     tokens, d = cfg.micro_batch_size * cfg.seq_len, cfg.model.d_model
-    block, block_input, selective = tokens * 55 * d, tokens * d * 2, tokens * 16 * d
+    block, block_input, selective = tokens * 64 * d, tokens * d * 2, tokens * 16 * d
     assert full["activations"] == pytest.approx((30 * block_input + block) / gib)
     assert plain["activations"] == pytest.approx(30 * block / gib)
     # every-4 recomputes blocks 0, 4, …, 28 (model.py's rule, layer % 4 == 0): 8 of 30
@@ -90,12 +90,23 @@ def test_memory_estimate_counts_optimizer_state_and_recomputed_blocks():
     assert some["activations"] == pytest.approx((30 * selective + block) / gib)
 
 
-def test_a_plain_loss_head_is_estimated_for_all_its_rows():
-    """ce_chunk_size 0 is the plain head: the whole (B·T, V) fp32 logits and their gradient."""
-    cfg = overrides.apply_overrides(config.tiny(), {"model.ce_chunk_size": 0})
-    rows = cfg.micro_batch_size * cfg.seq_len
-    estimate = log.memory_estimate(cfg, 4_000_000, 3_000_000, world=1, sharded=False, bf16=False)
-    assert estimate["loss_head"] == pytest.approx(2 * rows * 4096 * 4 / 2**30)
+def test_each_loss_head_is_estimated_for_what_it_holds():
+    """The plain head (tiny's, ce_chunk_size 0): all 16 × 256 rows of 4,096 logits, 4 bytes
+    each in fp32 or 2 in bf16, beside the loss's fp32 log-probabilities. The chunked head:
+    one chunk's fp32 buffer, and its gradient's bf16 copy with loss_head_dtype=bf16."""
+    def loss_head(cfg, bf16):
+        return log.memory_estimate(cfg, 4_000_000, 3_000_000, world=1, sharded=False,
+                                   bf16=bf16)["loss_head"] * 2**30
+    tiny = config.tiny()
+    assert tiny.model.ce_chunk_size == 0
+    assert loss_head(tiny, bf16=False) == 16 * 256 * 4096 * (4 + 4)
+    assert loss_head(tiny, bf16=True) == 16 * 256 * 4096 * (2 + 4)
+    chunked = overrides.apply_overrides(tiny, {"model.ce_chunk_size": 1024})
+    assert loss_head(chunked, bf16=True) == 1024 * 4096 * 4
+    chunked16 = overrides.apply_overrides(chunked, {"loss_head_dtype": "bf16"})
+    assert loss_head(chunked16, bf16=True) == 1024 * 4096 * (4 + 2)
+    whole = overrides.apply_overrides(tiny, {"model.ce_chunk_size": 100_000})
+    assert loss_head(whole, bf16=False) == 16 * 256 * 4096 * 4  # a chunk past all the rows
 
 
 def test_readmes_memory_table_is_the_banners_estimate():

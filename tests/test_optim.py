@@ -643,6 +643,35 @@ def test_sharded_muon_makes_two_collectives_per_matrix_shape(sharded_runs, world
     assert result["collectives"] == 2 * result["shapes"], result
 
 
+def all_to_all_bytes(world: int, itemsize: int) -> int:
+    """What one rank sends in a step of dist_muon.py's model, by plain arithmetic: per
+    shape (two matrices each), two all-to-alls of ceil(2 / W) slots x W pieces of
+    ceil(rows / W) rows."""
+    shapes = [(20, 8), (8, 20), (13, 8), (8, 13), (2, 8)]
+    return sum(2 * -(-2 // world) * world * -(-rows // world) * cols * itemsize
+               for rows, cols in shapes)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_muon_sends_bf16_pieces_when_newton_schulz_runs_in_bf16(sharded_runs,
+                                                                       world_size):
+    """With Newton–Schulz in bf16 the all-to-alls carry bf16 both ways, half the bytes of
+    fp32 pieces, and the weights end bitwise where sending fp32 (and casting on arrival)
+    leaves them: Newton–Schulz casts to bf16 first either way. Against single-process Muon
+    in bf16, which never sends a piece: bitwise at 2 ranks, as in fp32; measured 0.0 at 3
+    ranks too, held to the fp32 tolerance (a double rounding on the way, through fp16 then
+    bf16, is off by far more)."""
+    result = sharded_runs[world_size]
+    assert result["bf16_muon"] == 0.0 if world_size == 2 else \
+        result["bf16_muon"] < SHARDED_MUON_TOL, result
+    assert result["traffic_dtypes"] == ["torch.bfloat16"], result
+    assert result["fp32_traffic_dtypes"] == ["torch.float32"], result
+    assert result["traffic_bytes"] == all_to_all_bytes(world_size, 2), result
+    assert result["fp32_traffic_bytes"] == all_to_all_bytes(world_size, 4), result
+    assert result["bf16_against_fp32_traffic"] == 0.0, result
+
+
 @pytest.mark.distributed
 def test_sharded_checkpoint_reloads_on_another_number_of_ranks(sharded_runs):
     """Saved at 2 ranks, resumed at 3. The negative control reloads only the weights, so Muon

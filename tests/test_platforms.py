@@ -59,12 +59,12 @@ def test_an_apple_gpu_trains_fp32_eagerly_and_the_banner_says_why(monkeypatch):
     off (its MPS backend is a prototype); an explicit knob still wins."""
     machine(monkeypatch, mps=True)
     cfg = config.tiny()
-    assert launch.precision(cfg) == ("no", "auto: an Apple GPU (MPS) trains in fp32, which "
+    assert launch.mixed_precision(cfg) == ("no", "auto: an Apple GPU (MPS) trains in fp32, which "
                                            "every macOS computes; bf16 there needs macOS 14, "
                                            "and fp16 a loss scaler")
     assert launch.use_compile(cfg) == (False, "auto: an Apple GPU, where torch.compile's "
                                               "backend is a prototype")
-    assert launch.precision(dataclasses.replace(cfg, mixed_precision="bf16"))[0] == "bf16"
+    assert launch.mixed_precision(dataclasses.replace(cfg, mixed_precision="bf16"))[0] == "bf16"
     assert launch.use_compile(dataclasses.replace(cfg, compile_model="true"))[0] is True
     mps = torch.device("mps")
     assert log.device_name(mps) == "Apple GPU (MPS)"

@@ -104,6 +104,20 @@ HOW = {
     "--tasks hellaswag,arc_easy,piqa --batch_size 32": (
         "skip", "lm-evaluation-harness downloads its tasks; the folder it loads is tested "
                 "against transformers in tests/test_hf_export.py"),
+    # docs/torchtitan.md: the extra's own environment; .ci/run's second step
+    "pip install -r requirements-torchtitan.txt": (
+        "skip", ".ci/run's second step runs exactly this, after the suite"),
+    "torchrun --nproc_per_node=8 -m torchtitan.train --job.config_file "
+    "configs/torchtitan/stack100m.toml": (
+        "skip", "needs 8 GPUs; tests/test_torchtitan.py reads this TOML with torchtitan's own "
+                "parser and checks it is the stack100m preset, knob for knob"),
+    "OMP_NUM_THREADS=1 torchrun --nproc_per_node=1 -m torchtitan.train --job.config_file "
+    "configs/torchtitan/tiny_cpu.toml": (
+        "skip", "needs requirements-torchtitan.txt: tests/test_torchtitan.py launches this "
+                "command, at its micro run's shape, on 1 rank"),
+    "OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file "
+    "configs/torchtitan/tiny_cpu.toml --training.local_batch_size 8": (
+        "skip", "the same, on 2 FSDP2 ranks"),
     # docs/scale.md
     "accelerate launch --config_file accelerate_configs/single_gpu.yaml train.py": ("skip", GPU),
     "accelerate launch --config_file accelerate_configs/ddp.yaml train.py": ("skip", GPU),

@@ -385,8 +385,8 @@ def test_a_truncated_rng_file_is_damaged_not_unsafe(tmp_path):
 def test_a_resume_that_names_no_checkpoint_is_refused_with_its_fix(small_data_dir, tmp_path,
                                                                    capsys):
     """Checked even where out_dir holds checkpoints of its own (--resume=latest was taken
-    there as a branch origin, never read, and the run went on from its own newest): other
-    trainers' word for the newest names --resume=auto; a checkpoint's train_state.json names
+    there as a branch origin, never read, and the run went on from its own newest): another
+    word for the newest (other trainers', or stacklm's old auto) names --resume=latest; a checkpoint's train_state.json names
     its folder. A folder without one says so where it would be read (a branch's origin is
     not, once out_dir has its own: README)."""
     cfg = micro_config(small_data_dir, str(tmp_path / "run"), ckpt_every=2, stop_at_step=4)
@@ -394,7 +394,7 @@ def test_a_resume_that_names_no_checkpoint_is_refused_with_its_fix(small_data_di
     base = cli_args(dataclasses.replace(cfg, stop_at_step=6))
     state = ckpt(cfg, 4) / "train_state.json"
     for resume, message in [
-            ("latest", "error: resume=latest: the newest checkpoint is --resume=auto here (the "
+            ("auto", "error: resume=auto: the newest checkpoint is --resume=latest here (the "
                        "default); or name a checkpoint folder, out_dir/ckpt/step_XXXXXXX"),
             (str(state), f"error: resume={state} is the checkpoint's train_state.json; name the "
                          f"folder that holds it: --resume={ckpt(cfg, 4)}"),

@@ -308,7 +308,7 @@ def test_resume_is_bitwise_exact(small_data_dir, tmp_path):
     halves = micro_config(small_data_dir, str(tmp_path / "halves"), stop_at_step=4)
     train.main(straight)
     train.main(halves)
-    train.main(dataclasses.replace(halves, stop_at_step=8))  # resume="auto" finds step 4
+    train.main(dataclasses.replace(halves, stop_at_step=8))  # resume="latest" finds step 4
     assert [r["loss"] for r in train_records(straight)] == \
         [r["loss"] for r in train_records(halves)]
     assert_weights(checkpoint_weights(straight, 8), checkpoint_weights(halves, 8))
@@ -444,7 +444,7 @@ def test_sigterm_saves_exits_zero_and_resumes_exactly(small_data_dir, tmp_path):
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output[-3000:]
     assert "stop requested" in output
-    saved = checkpoint.find(cfg.out_dir, "auto")
+    saved = checkpoint.find(cfg.out_dir, "latest")
     stopped_at = json.loads((saved / "train_state.json").read_text())["step"]
     assert 3 <= stopped_at < 400
     assert f"| outcome | stopped at step {stopped_at:,} of 400 |" in \
@@ -499,7 +499,7 @@ def test_consecutive_non_finite_steps_stop_the_run(small_data_dir, tmp_path, mon
     with pytest.raises(checkpoint.TrainingDiverged, match="2 consecutive non-finite steps"):
         train.main(cfg)
     # step_0000002's weights gave the first non-finite loss (row 3): set aside, not deleted
-    assert checkpoint.find(cfg.out_dir, "auto") is None
+    assert checkpoint.find(cfg.out_dir, "latest") is None
     assert (tmp_path / "ckpt" / "step_0000002.diverged" / "train_state.json").exists()
 
 
@@ -513,7 +513,7 @@ def test_isolated_non_finite_steps_do_not_stop_the_run(small_data_dir, tmp_path,
     assert [r["step"] for r in lines if r["kind"] == "skip"] == [2, 4, 6]
     last = train_records(cfg)[-1]
     assert last["step"] == 8 and last["skipped_steps"] == 3
-    assert checkpoint.find(cfg.out_dir, "auto").name == "step_0000008"
+    assert checkpoint.find(cfg.out_dir, "latest").name == "step_0000008"
 
 
 def test_non_finite_weights_are_never_checkpointed(small_data_dir, tmp_path, monkeypatch):
@@ -531,7 +531,7 @@ def test_non_finite_weights_are_never_checkpointed(small_data_dir, tmp_path, mon
     monkeypatch.setattr(optim.Muon, "step", poisoned_step)
     with pytest.raises(checkpoint.TrainingDiverged, match="5 consecutive non-finite steps"):
         train.main(cfg)  # rows 4..8 are non-finite; row 4's checkpoint is not written
-    assert checkpoint.find(cfg.out_dir, "auto").name == "step_0000002"
+    assert checkpoint.find(cfg.out_dir, "latest").name == "step_0000002"
 
 
 # --- the step and its metrics against independent oracles -------------------------------

@@ -1,14 +1,13 @@
-"""chunked_loss.py, the loss heads' kernels, against their oracle: model.reference_loss on
-the full (N, V) logits (F.cross_entropy + z·lse², autograd), fp64 gradcheck, and the
-rounding bounds of bf16 operands and logits."""
+"""The loss: model.reference_loss against torch's own functions (F.cross_entropy +
+z·torch.logsumexp², autograd), and loss.py's chunked head against reference_loss on the full
+(N, V) logits, fp64 gradcheck, and the rounding bounds of bf16 operands."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import model as M
-from plumbing import chunked_loss
-from plumbing.chunked_loss import fused_ce_z_loss, logits_ce_z_loss
+from loss import fused_ce_z_loss
 
 
 def full_logits_loss(hidden, weight, targets, z_loss, reduction="mean") -> M.Loss:
@@ -143,44 +142,44 @@ def test_bf16_head_stays_within_operand_rounding_of_the_fp32_head():
         assert (got - want).norm() <= 4 * BF16_UNIT_ROUNDOFF * want.norm()
 
 
-# --- the plain head's loss, of logits the model made whole -------------------------------
+# --- reference_loss, the plain head's, against torch's functions ------------------------
+
+def torch_loss(logits, targets, z_loss, reduction):
+    """The oracle: F.cross_entropy, and the z-loss from torch.logsumexp, on fp32 logits."""
+    logits = logits.float()
+    kept = targets != -100
+    ce = F.cross_entropy(logits, targets, reduction="sum")
+    z = z_loss * torch.logsumexp(logits, dim=-1)[kept].square().sum()
+    n = kept.sum() if reduction == "mean" else 1
+    return (ce + z) / n, ce / n, z / n
+
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_logits_loss_and_grads_equal_reference_loss(reduction, monkeypatch):
-    """logits_ce_z_loss against reference_loss (F.cross_entropy + z·lse², autograd) on the
-    same fp32 logits: values and gradient, ignored rows included; chunks of 5 rows (which
-    do not divide 23) make every row cross a chunk's edge."""
-    monkeypatch.setattr(chunked_loss, "LOGITS_CHUNK", 5)
+def test_reference_loss_and_grads_equal_torchs_cross_entropy(reduction):
+    """Values and gradient, ignored rows included."""
     hidden, weight, targets = loss_inputs(torch.float32)
     logits = (hidden @ weight.T).detach().requires_grad_()  # (23, 13)
-    loss, ce, z = logits_ce_z_loss(logits, targets, 0.05, reduction=reduction)
+    loss, ce, z = M.reference_loss(logits, targets, 0.05, reduction=reduction)
     [grad] = torch.autograd.grad(loss, logits)
-    ref = M.reference_loss(logits, targets, 0.05, reduction=reduction)
-    [ref_grad] = torch.autograd.grad(ref.loss, logits)
-    for got, want in ((loss, ref.loss.detach()), (ce, ref.ce), (z, ref.z), (grad, ref_grad)):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    want = torch_loss(logits, targets, 0.05, reduction)
+    [want_grad] = torch.autograd.grad(want[0], logits)
+    for got, expected in ((loss, want[0]), (ce, want[1]), (z, want[2]), (grad, want_grad)):
+        torch.testing.assert_close(got, expected.detach(), rtol=1e-6, atol=1e-6)
     assert grad[[0, 5, 6, 22]].abs().max() == 0  # ignored rows get no gradient
     assert not ce.requires_grad and not z.requires_grad
 
 
-def test_logits_loss_gradcheck_fp64(monkeypatch):
-    monkeypatch.setattr(chunked_loss, "LOGITS_CHUNK", 4)
-    _, _, targets = loss_inputs(torch.float64, n=11, d=4, v=7)
-    logits = torch.randn(11, 7, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda l: logits_ce_z_loss(l, targets, 0.1)[0], (logits,))
-
-
-def test_logits_loss_of_bf16_logits_is_taken_in_fp32_and_returns_a_bf16_gradient():
-    """The plain head's bf16 logits (under autocast): the loss is reference_loss of their
-    exact fp32 values, and the gradient, in the logits' dtype, is reference_loss's rounded
-    to bf16 (at most half a bf16 ulp off, ~0.4% relative)."""
+def test_reference_loss_of_bf16_logits_is_taken_in_fp32():
+    """The plain head's bf16 logits (under autocast): the loss is torch's of their exact fp32
+    values, and the gradient, in the logits' dtype, is torch's rounded to bf16 (at most half
+    a bf16 ulp off, ~0.4% relative)."""
     hidden, weight, targets = loss_inputs(torch.float32, n=64, d=32, v=50)
     logits16 = (hidden @ weight.T).detach().bfloat16().requires_grad_()
-    loss, _, _ = logits_ce_z_loss(logits16, targets, 1e-2)
+    loss = M.reference_loss(logits16, targets, 1e-2).loss
     [grad] = torch.autograd.grad(loss, logits16)
     exact = logits16.detach().float().requires_grad_()
-    ref = M.reference_loss(exact, targets, 1e-2)
-    [ref_grad] = torch.autograd.grad(ref.loss, exact)
+    want = torch_loss(exact, targets, 1e-2, "mean")[0]
+    [want_grad] = torch.autograd.grad(want, exact)
     assert loss.dtype == torch.float32 and grad.dtype == torch.bfloat16
-    torch.testing.assert_close(loss, ref.loss.detach(), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(grad.float(), ref_grad, rtol=2**-8, atol=1e-7)
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad.float(), want_grad, rtol=2**-8, atol=1e-7)
