@@ -393,14 +393,20 @@ def test_document_block_mask_matches_dense_mask_on_cpu():
 @pytest.mark.parametrize("with_seq_ids", [False, True])
 def test_block_compiles_without_graph_breaks(with_seq_ids):
     # fullgraph=True fails on any graph break; aot_eager traces forward and backward
-    # without needing a C++ compiler, so this runs in seconds.
+    # without needing a C++ compiler, so this runs in seconds. The gradients, of the input
+    # and of every weight, are eager's too.
     block = small_model().blocks[0]
     x = torch.randn(2, 8, 32, requires_grad=True)
     cos, sin = M.rope_cos_sin(torch.arange(8).expand(2, 8), 8, 10000.0)
     seq_ids = torch.tensor([[0] * 3 + [1] * 5] * 2) if with_seq_ids else None
     mask = M.attention_mask(seq_ids, x.device)
     compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(compiled(x, cos, sin, mask), block(x, cos, sin, mask))
+    got, want = compiled(x, cos, sin, mask), block(x, cos, sin, mask)
+    torch.testing.assert_close(got, want)
+    inputs, grad = (x, *block.parameters()), torch.randn_like(want)
+    for ours, theirs in zip(torch.autograd.grad(got, inputs, grad),
+                            torch.autograd.grad(want, inputs, grad), strict=True):
+        torch.testing.assert_close(ours, theirs)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -534,8 +540,8 @@ def test_selective_recomputation_keeps_attention_and_every_other_matmul_of_each_
     """The policy, per block: of a block's seven matmuls it keeps the 1st, 3rd, 5th and 7th
     (q, v, gate and down) and attention's output, and no other op's, whatever the blocks
     before it did (a count shared by the blocks would shift it). (torch 2.13 replays these
-    forward decisions when it recomputes; earlier versions ask the policy again, which
-    counts its recomputation apart.)"""
+    forward decisions when it recomputes; 2.11 asks the policy again, which counts its
+    recomputation apart.)"""
     policies = []  # per block call: [(op, kept)] in the forward
 
     def recording(policy):

@@ -278,17 +278,26 @@ def test_batches_reach_the_gpu_through_pinned_memory(monkeypatch):
     assert train.to_device(batch, torch.device("cpu")) is batch  # nothing to copy
 
 
+# Compiled blocks against eager ones: inductor fuses and reorders the blocks' sums, so the
+# logged losses and grad norms may differ in their last bits. 10x the largest difference
+# compile's own reordering made over 8 steps, on torch 2.11 and 2.13, with the hand-written
+# norm and loss and with plain ones alike (docs/figures.md). A gradient the compiled blocks
+# get wrong moves the grad norm of the very first step far past it.
+COMPILE_RTOL = 2e-6
+
+
 def test_compiled_blocks_train_like_eager_blocks(small_data_dir, tmp_path):
     """compile_model=true (regional compilation, the CUDA default) on CPU's inductor: the
-    same losses as eager to float tolerance, and checkpoints keep the eager parameter names
-    (a plain Transformer loads them)."""
+    same losses and grad norms as eager up to compile's reordering, step by step, and
+    checkpoints keep the eager parameter names (a plain Transformer loads them)."""
     eager = micro_config(small_data_dir, str(tmp_path / "eager"), stop_at_step=2)
     compiled = micro_config(small_data_dir, str(tmp_path / "compiled"), stop_at_step=2,
                             compile_model="true")
     train.main(eager)
     train.main(compiled)
     for a, b in zip(train_records(eager), train_records(compiled), strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=COMPILE_RTOL), a["step"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=COMPILE_RTOL), a["step"]
     assert_weights(checkpoint_weights(eager, 2), checkpoint_weights(compiled, 2), atol=1e-4)
 
 
