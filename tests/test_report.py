@@ -328,7 +328,7 @@ def test_a_cut_last_line_is_left_out_with_one_warning(tmp_path):
     assert out.stdout.splitlines() == [
         f"report: {tmp_path / 'report.md'} and {tmp_path / 'report.png'}",
         "reference: final val loss 4.2000 is outside the fp32 reference seeds' spread "
-        "(4.2257–4.2491, 3 seeds): 0.0257 below it"]
+        "(4.2257–4.2492, 3 seeds): 0.0257 below it"]
 
 
 def test_a_step_logged_twice_counts_once_as_its_last_record(tmp_path):
