@@ -50,10 +50,11 @@ REFERENCE = Path(__file__).resolve().parent / "reference" / "tiny"
 # The reference seeds' folder for each precision `auto` may train tiny in (the start
 # record's hardware.precision): a run is compared with the seeds of its own precision.
 REFERENCE_PRECISION = {"bf16": "bf16", "no": "fp32"}
-# Knobs that change nothing a run computes before its sample, or only which seed it draws:
+# Knobs that change nothing a run computes before its sample, only which seed it draws, or
+# only which precision it trains in (mixed_precision: the seeds of that precision compare):
 # a tiny run that differs from the preset in these alone is compared with the reference.
 UNCHANGED_BY = {"out_dir", "resume", "seed", "wandb_mode", "wandb_project", "write_report",
-                "sample_prompt", "sample_tokens"}
+                "sample_prompt", "sample_tokens", "mixed_precision"}
 # Knobs never worth a row where runs are compared: each run's folder is its label.
 NOT_COMPARED = {"out_dir", "resume"}
 
