@@ -46,6 +46,10 @@ def test_the_gpu_call_dry_run_runs_every_stage_and_every_sweep_row(tmp_path):
     done = subprocess.run(["bash", "bench/gpu_check.sh", "--dry_run"], cwd=REPO,
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1",
+                               # the script's `python` and `accelerate` are this interpreter's,
+                               # as on the GPU image, whatever else PATH holds
+                               "PATH": f"{Path(sys.executable).parent}{os.pathsep}"
+                                       f"{os.environ['PATH']}",
                                "OUT": str(tmp_path / "out"), "RUNS": str(tmp_path / "runs")})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
