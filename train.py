@@ -313,16 +313,23 @@ def shard_model(model: Transformer, device: torch.device, bf16: bool,
     and sin stay fp32 (bf16 angles are 2e-3 off at 2,048). reshard_after_forward False (the
     launch config's) keeps each block's weights gathered to its backward: an all-gather fewer."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    model.to(device)
+    return shard_layout(model, mesh, bf16, reshard_after_forward, reshard_after_forward)
+
+
+def shard_layout(model: Transformer, mesh, bf16: bool, blocks_reshard: bool,
+                 root_reshard: bool) -> Transformer:
+    """shard_model's groups and precision on `mesh` (integrations/torchtitan shares them)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else torch.float32,
                                   reduce_dtype=torch.float32)
-    model.to(device)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
+        fully_shard(block, mesh=mesh, reshard_after_forward=blocks_reshard,
                     mp_policy=dataclasses.replace(policy, cast_forward_inputs=False))
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=root_reshard)
     return model
 
 

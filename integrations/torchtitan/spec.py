@@ -16,7 +16,7 @@ torchtitan's hooks, and what answers each:
   `get_nparams_and_flops` gives torchtitan's MFU model.flops_per_token (PaLM's count).
 - model_cls: `StackTransformer`, model.Transformer whose forward stops before the head;
   `init_weights` fills every rank's shard from the seed alone.
-- parallelize_fn: `parallelize`, train.shard_model's FSDP2 layout on torchtitan's mesh.
+- parallelize_fn: `parallelize`, train.shard_layout, FSDP2's groups, on torchtitan's mesh.
 - build_optimizers_fn: `StackOptimizers`, optim.build_optimizers' Muon + AdamW pair as an
   OptimizersContainer whose state_dict DCP can reshard (keyed by parameter name).
 - build_lr_schedulers_fn: `StackSchedules`, optim.lr_multiplier (WSD), a LambdaLR per optimizer.
@@ -24,8 +24,9 @@ torchtitan's hooks, and what answers each:
 - build_loss_fn: the fused CE + z-loss (the chunked head; the plain one at ce_chunk_size 0).
 - build_metrics_processor_fn: torchtitan's log, plus metrics.jsonl in the dump folder.
 
-Imports from stacklm: config, data, model, optim and loss (the chunked head). They are
-imported here, in these lines, and nowhere else in integrations/torchtitan.
+Imports from stacklm: config, data, model, optim, loss (the chunked head) and train (the
+FSDP2 layout). They are imported here, in these lines, and nowhere else in
+integrations/torchtitan.
 """
 
 import dataclasses
@@ -38,7 +39,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from integrations.torchtitan import cpu
@@ -57,6 +57,7 @@ from torchtitan.protocols.train_spec import TrainSpec, register_train_spec  # no
 import config  # noqa: E402
 import data  # noqa: E402
 import optim  # noqa: E402
+import train  # noqa: E402
 from loss import fused_ce_z_loss  # noqa: E402
 from model import Transformer, count_params, flops_per_token, plain_head_loss  # noqa: E402
 
@@ -250,16 +251,11 @@ def parallelize(model: StackTransformer, parallel_dims, job_config) -> StackTran
     if not parallel_dims.fsdp_enabled:
         return model
     mesh = parallel_dims.get_mesh("fsdp")
-    bf16 = job_config.training.mixed_precision_param == "bfloat16"
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else torch.float32,
-                                  reduce_dtype=torch.float32)
-    reshard = job_config.parallelism.fsdp_reshard_after_forward != "never"
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard,
-                    mp_policy=dataclasses.replace(policy, cast_forward_inputs=False))
     # The root stays gathered after its forward: the head, in torchtitan's loss, runs on the
     # tied embedding after the forward has returned.
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    train.shard_layout(model, mesh, job_config.training.mixed_precision_param == "bfloat16",
+                       blocks_reshard=job_config.parallelism.fsdp_reshard_after_forward != "never",
+                       root_reshard=False)
     gloo = dist.get_backend(mesh.get_group()) == "gloo"
     for module in [*model.blocks, model]:
         module.set_gradient_divide_factor(1.0)
